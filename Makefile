@@ -1,0 +1,50 @@
+# blockd — developer entry points. Every target creates the virtualenv it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test bench proto proto-check proto-lint lint fuzz clean
+
+# The venv is rebuilt when pyproject.toml changes. torch is pinned (==2.13.0) in the gpu extra:
+# an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[gpu,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Run the daemon on its embedded default (host shared-memory pool, no GPU).
+serve: $(STAMP)
+	$(PY) -m blockd serve
+
+## The whole suite (derandomised property tests; the Triton kernels run in the interpreter).
+test: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
+
+## Longer randomised runs of the property tests (not part of `make test`).
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/core -k "state_machine or partition"
+
+## Benchmarks: numbers to bench/results/*.json, plots to bench/results/*.png.
+bench: $(STAMP)
+	$(PY) bench/core_replay.py
+	$(PY) bench/cpu_paged_vs_sdpa.py
+
+proto: $(STAMP)
+	$(PY) tools/gen_proto.py
+
+proto-check: $(STAMP)
+	$(PY) tools/gen_proto.py --check
+
+proto-lint:
+	bash tools/buf_lint.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,183 @@
+"""Per-block state: refcounts, lifecycle state, owner, the free stack and the cached-block LRUs.
+
+The allocator owns bytes of metadata, never policy: the BlockManager decides *whether* a tenant
+may allocate and *which* sequence holds a block; the allocator makes the chosen transition in
+O(1) per block and keeps the arrays consistent.
+
+Memory: every per-block field lives in a flat ``array``/``bytearray`` (no Python object per
+block), so the allocator costs ``BYTES_PER_BLOCK`` bytes per block whatever the pool size.
+
+Lifecycle (design.md section 2)::
+
+    FREE ──allocate──▶ WRITING ──commit──▶ COMMITTED ──ref→0 under fence──▶ PENDING
+    PENDING ──last covering fence complete──▶ CACHED (indexed) or FREE (not indexed)
+    CACHED ──hit──▶ COMMITTED        CACHED ──evict (LRU, chain tails first)──▶ FREE
+
+Invariants (checked by ``BlockManager.check_invariants``):
+
+* ``state`` is exactly one of the five states; FREE blocks are exactly those on the free stack,
+  CACHED blocks exactly those on an LRU list;
+* FREE and CACHED blocks have ``ref == 0`` and ``pend == 0``; PENDING blocks ``ref == 0`` and
+  ``pend > 0``; WRITING and COMMITTED blocks ``ref >= 1``;
+* ``usage[t]`` counts the non-FREE blocks owned by tenant ``t``; ``cached[t]`` its CACHED ones.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+FREE = 0
+WRITING = 1
+COMMITTED = 2
+PENDING = 3
+CACHED = 4
+STATE_NAMES = ("free", "writing", "committed", "pending", "cached")
+
+#: Owner value of a block that no tenant has held yet (never scrubbed on first use).
+NO_OWNER = 0xFFFF
+_NIL = -1
+
+#: ref(4) + pend(4) + state(1) + owner(2) + prev(4) + next(4) + stamp(8) + free stack(4).
+BYTES_PER_BLOCK = 31
+
+
+class BlockAllocator:
+    """Flat per-block arrays plus the free stack and per-tenant LRU lists of CACHED blocks.
+
+    Field owners: ``ref`` and ``state`` are changed by the BlockManager (through this class's
+    methods or directly on the hot path); ``pend`` by the fence bookkeeping; everything else
+    only by this class.
+    """
+
+    def __init__(self, num_blocks: int, num_tenants: int = 1) -> None:
+        n = num_blocks
+        self.num_blocks = n
+        #: Number of block tables naming the block.
+        self.ref = array("i", bytes(4 * n))
+        #: Releases of the block whose fence has not completed yet.
+        self.pend = array("i", bytes(4 * n))
+        #: Lifecycle state (FREE .. CACHED).
+        self.state = bytearray(n)
+        #: Tenant slot that allocated the block (kept after free, for scrub-on-reuse).
+        self.owner = array("H", [NO_OWNER]) * n
+        # Intrusive doubly linked LRU lists (one per tenant) over CACHED blocks. A list moves
+        # blocks by rewriting two ints; an OrderedDict would cost ~100 bytes per entry.
+        self.prev = array("i", [_NIL]) * n
+        self.next = array("i", [_NIL]) * n
+        #: Logical time the block last became CACHED; orders eviction across tenants.
+        self.stamp = array("q", bytes(8 * n))
+        # Popping from the end hands out block 0 first: small ids first, like a fresh heap.
+        self.free = array("i", range(n - 1, -1, -1))
+        self.usage: list[int] = []
+        self.cached: list[int] = []
+        self.head: list[int] = []
+        self.tail: list[int] = []
+        self.num_cached = 0
+        self._clock = 0
+        self.ensure_tenants(num_tenants)
+
+    def ensure_tenants(self, num_tenants: int) -> None:
+        """Grow the per-tenant counters to ``num_tenants`` slots."""
+        grow = num_tenants - len(self.usage)
+        if grow > 0:
+            self.usage += [0] * grow
+            self.cached += [0] * grow
+            self.head += [_NIL] * grow
+            self.tail += [_NIL] * grow
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self, n: int, tenant: int) -> list[int]:
+        """Pop ``n`` FREE blocks and make them WRITING, ref 1, owned by ``tenant``.
+
+        The caller has checked that ``n <= num_free``. Returns the ids in table order.
+        """
+        free = self.free
+        ids = free[len(free) - n:]
+        del free[len(free) - n:]
+        ids.reverse()
+        ref = self.ref
+        state = self.state
+        owner = self.owner
+        for b in ids:
+            ref[b] = 1
+            state[b] = WRITING
+            owner[b] = tenant
+        self.usage[tenant] += n
+        return ids.tolist()
+
+    def give_back(self, block: int) -> None:
+        """Make an unreferenced, unindexed block with no pending fence FREE."""
+        self.state[block] = FREE
+        self.usage[self.owner[block]] -= 1
+        self.free.append(block)
+
+    # -- the cached LRU -----------------------------------------------------------------------
+
+    def cache(self, block: int) -> None:
+        """Make an unreferenced indexed block CACHED at the most-recently-used end."""
+        t = self.owner[block]
+        self.state[block] = CACHED
+        self._clock += 1
+        self.stamp[block] = self._clock
+        tail = self.tail[t]
+        self.prev[block] = tail
+        self.next[block] = _NIL
+        if tail == _NIL:
+            self.head[t] = block
+        else:
+            self.next[tail] = block
+        self.tail[t] = block
+        self.cached[t] += 1
+        self.num_cached += 1
+
+    def uncache(self, block: int) -> None:
+        """Unlink a CACHED block from its LRU (a hit or an eviction). State is the caller's."""
+        t = self.owner[block]
+        p = self.prev[block]
+        nx = self.next[block]
+        if p == _NIL:
+            self.head[t] = nx
+        else:
+            self.next[p] = nx
+        if nx == _NIL:
+            self.tail[t] = p
+        else:
+            self.prev[nx] = p
+        self.prev[block] = _NIL
+        self.next[block] = _NIL
+        self.cached[t] -= 1
+        self.num_cached -= 1
+
+    def oldest_cached(self, tenant: int | None = None) -> int:
+        """The least recently cached block of ``tenant`` (or of any tenant); -1 when none."""
+        if tenant is not None:
+            return self.head[tenant]
+        best = _NIL
+        best_stamp = 0
+        stamp = self.stamp
+        for b in self.head:
+            if b != _NIL and (best == _NIL or stamp[b] < best_stamp):
+                best = b
+                best_stamp = stamp[b]
+        return best
+
+    def lru_order(self, tenant: int) -> list[int]:
+        """A tenant's CACHED blocks, least recently used first (for tests and Inspect)."""
+        out = []
+        b = self.head[tenant]
+        while b != _NIL:
+            out.append(b)
+            b = self.next[b]
+        return out
+
+    def count_states(self) -> list[int]:
+        """Blocks per state, indexed by state value."""
+        counts = [0] * len(STATE_NAMES)
+        for s in range(len(STATE_NAMES)):
+            counts[s] = self.state.count(s)
+        return counts

@@ -1,0 +1,781 @@
+"""The BlockManager: every policy decision about which block holds which tokens.
+
+It composes the allocator (per-block state), the prefix index (which full blocks hold which
+prefix), the namespace table, tenants and sessions with their fences, and exposes the operations
+of the Step protocol (design.md section 4): admit, append, fork, release, commit, plus lookup,
+fence completion, flushes and introspection.
+
+Every operation is check-then-commit: it validates everything and works out whether it fits
+before it mutates anything, so a failing operation leaves the manager exactly as it was.
+"Does not fit" (pool or quota) is a return value, :class:`DoesNotFit`, not an exception.
+
+The manager is not thread-safe: the daemon calls it from one event loop.
+"""
+
+from __future__ import annotations
+
+import secrets
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from blockd.core.allocator import (
+    CACHED,
+    COMMITTED,
+    FREE,
+    NO_OWNER,
+    PENDING,
+    STATE_NAMES,
+    WRITING,
+    BlockAllocator,
+)
+from blockd.core.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, PermissionDenied
+from blockd.core.fences import COMMIT, RELEASE, CommitBatch, Session
+from blockd.core.namespace import Namespace, NamespaceFields, NamespaceTable, PrefixScope
+from blockd.core.prefix_index import NO_PARENT, HashFactory, PrefixIndex
+from blockd.core.sequence import Sequence, as_token_bytes
+from blockd.core.spec import PoolSpec
+from blockd.core.tenants import TenantPolicy, TenantTable
+
+#: Most children one fork may create.
+MAX_FORK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DoesNotFit:
+    """An allocation that cannot be satisfied; nothing was changed.
+
+    ``reason`` is a bounded label: ``"quota"`` (the tenant's quota, after evicting its own
+    cached blocks), ``"pool"`` (free plus evictable blocks), or ``"guarantee"`` (blocks kept for
+    other tenants' guaranteed minimums).
+    """
+
+    reason: str
+    needed: int
+    available: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    seq_id: str
+    #: Prompt tokens whose K/V is already in the pool: a multiple of block_size, always less
+    #: than the prompt length (the last token is computed so the worker has its logits).
+    num_cached_tokens: int
+    block_table: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """Copy one block's K/V (all layers) before the step's kernels run."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    #: Logical index from which ``block_ids`` replace or extend the worker's table.
+    start_index: int
+    block_ids: list[int]
+    num_tokens: int
+    #: The copy-on-write copy this append needs, if the last block was shared.
+    copy: CopyOp | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Blocks handed out by one operation, and which of them must be zeroed first."""
+
+    blocks: list[int]
+    scrub: list[int]
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic counters (Prometheus ``_total`` metrics)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    cow_copies: int = 0
+    scrubbed_blocks: int = 0
+    allocated_blocks: int = 0
+    released_blocks: int = 0
+    alloc_failures: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class PositionInfo:
+    """The seeds' debugging step 1: where one token position lives."""
+
+    position: int
+    logical_block: int
+    offset: int
+    physical_block: int
+    slot: int
+
+
+EventSink = Callable[[str, dict[str, object]], None]
+
+
+class BlockManager:
+    """Owns the pool's block metadata and all policy. See the module docstring."""
+
+    def __init__(
+        self,
+        spec: PoolSpec,
+        tenants: Iterable[TenantPolicy],
+        *,
+        seed: int | None = None,
+        enable_prefix_cache: bool = True,
+        scrub_always: bool = False,
+        hasher_factory: HashFactory | None = None,
+        on_event: EventSink | None = None,
+    ) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.num_blocks = spec.num_blocks
+        self.tenants = TenantTable(list(tenants))
+        #: Per-daemon secret: keys are unpredictable to clients, so collisions cannot be planned.
+        self.seed = secrets.randbits(64) if seed is None else seed
+        self.enable_prefix_cache = enable_prefix_cache
+        self.scrub_always = scrub_always
+        self.alloc = BlockAllocator(spec.num_blocks, max(1, len(self.tenants)))
+        self.index = PrefixIndex(spec.num_blocks, spec.block_size, self.seed, hasher_factory)
+        self.namespaces = NamespaceTable(self.seed)
+        self.sessions: dict[str, Session] = {}
+        self.sequences: dict[str, Sequence] = {}
+        self.counters = Counters()
+        self.on_event = on_event
+        #: Blocks zeroed since the last ``take_scrubbed`` (the pool layer does the zeroing).
+        self._scrub: list[int] = []
+
+    # -- tenants and sessions -----------------------------------------------------------------
+
+    def set_tenants(self, policies: Iterable[TenantPolicy]) -> None:
+        """Reload tenant policies; sessions and blocks are kept."""
+        self.tenants.replace(list(policies))
+        self.alloc.ensure_tenants(len(self.tenants))
+
+    def open_session(self, tenant_id: str, session_id: str | None = None) -> Session:
+        """Start a session acting for ``tenant_id``. Its id is unguessable unless given."""
+        slot = self.tenants.slot(tenant_id)
+        sid = session_id or secrets.token_urlsafe(18)
+        if sid in self.sessions:
+            raise InvalidArgument("session id already in use", field="session_id")
+        session = Session(sid, slot)
+        self.sessions[sid] = session
+        return session
+
+    def close_session(self, session_id: str, *, work_done: bool = True) -> int:
+        """End a session: release its sequences and complete its fences.
+
+        ``work_done`` says the worker's GPU work has finished (a clean Detach, or a lease that
+        expired: a dead worker has no work in flight). Commits whose fence the worker never
+        reported are dropped either way: their K/V may be half written. Returns the number of
+        sequences released.
+        """
+        session = self._session(session_id)
+        if not work_done:
+            raise FailedPrecondition("cannot close a session with GPU work in flight",
+                                     field="session_id")
+        seq_ids = list(session.sequences)
+        for seq_id in seq_ids:
+            self._release(session, self.sequences[seq_id], session.issued)
+        self._complete(session, 2**64, drop_commits_after=session.completed)
+        del self.sessions[session_id]
+        return len(seq_ids)
+
+    def complete_fence(self, session_id: str, fence: int) -> None:
+        """The worker reports that all GPU work up to ``fence`` is done."""
+        session = self._session(session_id)
+        if fence < 0:
+            raise InvalidArgument("completed_fence must be >= 0", field="completed_fence")
+        if fence > session.issued:
+            raise InvalidArgument(
+                f"completed_fence {fence} is beyond the highest fence issued ({session.issued})",
+                field="completed_fence",
+            )
+        if fence > session.completed:
+            self._complete(session, fence)
+
+    # -- the Step operations ------------------------------------------------------------------
+
+    def admit(
+        self,
+        session_id: str,
+        scope: PrefixScope,
+        tokens: bytes | Seq[int],
+        *,
+        cache: bool = True,
+        priority: int = 0,
+    ) -> AdmitResult | DoesNotFit:
+        """Start a sequence for a prompt, reusing every verified cached prefix block.
+
+        Allocates the blocks for the uncached rest of the prompt (WRITING). The worker
+        computes K/V for tokens ``num_cached_tokens..`` and later commits the full blocks.
+        """
+        session = self._session(session_id)
+        raw = as_token_bytes(tokens, "token_ids")
+        length = len(raw) // 4
+        if length == 0:
+            raise InvalidArgument("a prompt needs at least one token", field="token_ids")
+        policy = self.tenants.policies[session.tenant]
+        ns = self.namespaces.intern(_fields(scope, policy))
+        cache = cache and self.enable_prefix_cache
+        B = self.block_size
+        keys: list[bytes] = []
+        stream = None
+        hits: list[int] = []
+        if cache:
+            stream = self.index.new_stream(ns.root_key)
+            self.index.extend_keys(stream, raw, 0, length // B, keys)
+            # Leave at least one token to compute: the worker needs the last token's logits.
+            hits = self.index.match(ns.id, keys[: (length - 1) // B], raw)
+        need = -(-length // B) - len(hits)
+        verdict = self._fits(session.tenant, need, hits)
+        if verdict is not None:
+            self.namespaces.release_if_unused(ns)
+            self.counters.alloc_failures[verdict.reason] += 1
+            return verdict
+        # -- commit point: nothing above changed any state --
+        self._touch(hits)
+        new = self._allocate(session.tenant, need)
+        seq = Sequence(self._new_seq_id(), session.id, session.tenant, ns, stream, cache,
+                       priority)
+        seq.table = hits + new
+        seq.chain = hits.copy()
+        seq.num_committed = len(hits)
+        seq.keys = keys
+        seq.tokens = bytearray(raw)
+        seq.num_tokens = length
+        self.namespaces.incref(ns)
+        self.sequences[seq.id] = seq
+        session.sequences.add(seq.id)
+        self.counters.queried_tokens += length
+        self.counters.hit_tokens += len(hits) * B
+        return AdmitResult(seq.id, len(hits) * B, seq.table.copy(), length)
+
+    def append(self, session_id: str, seq_id: str, tokens: bytes | Seq[int],
+               fence: int = 0) -> AppendResult | DoesNotFit:
+        """Add tokens whose K/V this step writes; allocate blocks and copy-on-write as needed.
+
+        If the last block is partly filled and shared (after a fork), the sequence gets a new
+        block and a copy op src->dst; the old block keeps its content for the others and loses
+        this sequence's reference under ``fence`` (the copy reads it during this step).
+        """
+        session = self._session(session_id)
+        seq = self._sequence(session, seq_id)
+        raw = as_token_bytes(tokens, "token_ids")
+        n = len(raw) // 4
+        B = self.block_size
+        old_len = seq.num_tokens
+        table = seq.table
+        old_blocks = len(table)
+        fence = self._fence(session, fence)
+        if n == 0:
+            return AppendResult(old_blocks, [], old_len)
+        cow = old_len % B != 0 and self.alloc.ref[table[-1]] > 1
+        need = -(-(old_len + n) // B) - old_blocks + cow
+        if need:
+            verdict = self._fits(seq.tenant, need, ())
+            if verdict is not None:
+                self.counters.alloc_failures[verdict.reason] += 1
+                return verdict
+            new = self._allocate(seq.tenant, need)
+        else:
+            new = []
+        copy = None
+        start = old_blocks
+        if cow:
+            src = table[-1]
+            dst = new[0]
+            table[-1] = dst
+            copy = CopyOp(src, dst)
+            self.counters.cow_copies += 1
+            start -= 1
+            self._drop_refs(session, [src], fence)
+            table.extend(new[1:])
+        else:
+            table.extend(new)
+        seq.tokens += raw
+        seq.num_tokens = old_len + n
+        return AppendResult(start, table[start:], seq.num_tokens, copy)
+
+    def fork(self, session_id: str, seq_id: str, num_children: int = 1) -> list[str]:
+        """Children that share every block of ``seq_id`` (refcounts go up, nothing is copied).
+
+        The first write into a shared, partly filled last block goes through copy-on-write.
+        """
+        session = self._session(session_id)
+        parent = self._sequence(session, seq_id)
+        if not 1 <= num_children <= MAX_FORK:
+            raise InvalidArgument(f"num_children must be in 1..{MAX_FORK}", field="num_children")
+        ref = self.alloc.ref
+        children = []
+        for _ in range(num_children):
+            child = parent.fork(self._new_seq_id())
+            self.sequences[child.id] = child
+            session.sequences.add(child.id)
+            children.append(child.id)
+        for b in parent.table:
+            ref[b] += num_children
+        self.namespaces.incref(parent.ns, num_children)
+        return children
+
+    def release(self, session_id: str, seq_id: str, fence: int = 0) -> int:
+        """End a sequence. Its blocks become reusable once ``fence`` completes.
+
+        Returns how many block references were dropped.
+        """
+        session = self._session(session_id)
+        seq = self._sequence(session, seq_id)
+        return self._release(session, seq, self._fence(session, fence))
+
+    def commit(self, session_id: str, seq_id: str, fence: int = 0) -> int:
+        """Seal the sequence's full blocks; they join the prefix index once ``fence`` completes.
+
+        ``fence`` is the point after which their K/V is written. Returns the number of blocks
+        newly committed.
+        """
+        session = self._session(session_id)
+        seq = self._sequence(session, seq_id)
+        fence = self._fence(session, fence)
+        full = seq.num_tokens // self.block_size
+        start = seq.num_committed
+        if full <= start:
+            return 0
+        blocks = seq.table[start:full]
+        state = self.alloc.state
+        for b in blocks:
+            if state[b] == WRITING:
+                state[b] = COMMITTED
+        seq.num_committed = full
+        seq.chain.extend(blocks)
+        if seq.cache and seq.stream is not None:
+            if len(seq.keys) < full:
+                self.index.extend_keys(seq.stream, seq.tokens, len(seq.keys), full, seq.keys)
+            step = self.index.chunk_bytes
+            tokens = seq.tokens
+            mv = memoryview(tokens)
+            chunks = [bytes(mv[i * step:(i + 1) * step]) for i in range(start, full)]
+            batch = CommitBatch(seq.chain, start, blocks, seq.keys[start:full], chunks, seq.ns.id)
+            # The batch holds namespace references until it is applied or dropped.
+            self.namespaces.incref(seq.ns)
+            if session.is_complete(fence):
+                self._apply_commit(batch)
+            else:
+                session.waiting.append((fence, COMMIT, batch))
+        return len(blocks)
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
+        """Tokens of a prompt whose K/V is cached and visible to this session's tenant.
+
+        Allocates nothing and does not touch the LRU. Capped like ``admit``: a multiple of the
+        block size, less than the prompt length.
+        """
+        session = self._session(session_id)
+        raw = as_token_bytes(tokens, "token_ids")
+        length = len(raw) // 4
+        if length == 0 or not self.enable_prefix_cache:
+            return 0
+        ns = self.namespaces.intern(_fields(scope, self.tenants.policies[session.tenant]))
+        try:
+            keys: list[bytes] = []
+            self.index.extend_keys(self.index.new_stream(ns.root_key), raw, 0,
+                                   (length - 1) // self.block_size, keys)
+            return len(self.index.match(ns.id, keys, raw)) * self.block_size
+        finally:
+            self.namespaces.release_if_unused(ns)
+
+    def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]:
+        """(block ids, number of tokens) of a sequence of this session."""
+        seq = self._sequence(self._session(session_id), seq_id)
+        return seq.table.copy(), seq.num_tokens
+
+    def inspect(self, session_id: str, seq_id: str, start: int = 0,
+                count: int | None = None) -> list[PositionInfo]:
+        """Every position's logical block, offset, physical block and slot (seeds' step 1).
+
+        ``slot = block_table[p // B] * B + p % B`` — the formula the kernels use.
+        """
+        seq = self._sequence(self._session(session_id), seq_id)
+        B = self.block_size
+        end = seq.num_tokens if count is None else min(seq.num_tokens, start + count)
+        out = []
+        for p in range(max(0, start), end):
+            lb, off = divmod(p, B)
+            pb = seq.table[lb]
+            out.append(PositionInfo(p, lb, off, pb, pb * B + off))
+        return out
+
+    def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
+        """Physical slots of positions ``start..end-1`` of a sequence."""
+        seq = self.sequences[seq_id]
+        B = self.block_size
+        table = seq.table
+        return [table[p // B] * B + p % B for p in range(start, end)]
+
+    def block_state(self, block: int) -> str:
+        return STATE_NAMES[self.alloc.state[block]]
+
+    def state_counts(self) -> dict[str, int]:
+        counts = self.alloc.count_states()
+        return {name: counts[i] for i, name in enumerate(STATE_NAMES)}
+
+    # -- flushes ------------------------------------------------------------------------------
+
+    def flush(self, *, model_id: str | None = None, model_revision: str | None = None,
+              lora_id: str | None = None, tenant_id: str | None = None) -> int:
+        """Drop every indexed block matching all given filters; returns how many.
+
+        Cached blocks become FREE; blocks still referenced (or pending) stay with their
+        sequences but are never hit again. ``tenant_id`` matches blocks that tenant allocated.
+        """
+        if model_id is None and model_revision is None and lora_id is None and tenant_id is None:
+            raise InvalidArgument("a flush needs at least one filter", field="filter")
+        owner_slot = self.tenants.slot(tenant_id) if tenant_id is not None else None
+        wanted = {
+            ns.id
+            for ns in self.namespaces
+            if (model_id is None or ns.fields.model_id == model_id)
+            and (model_revision is None or ns.fields.model_revision == model_revision)
+            and (lora_id is None or ns.fields.lora_id == lora_id)
+        }
+        owner = self.alloc.owner
+        ns_arr = self.index.ns
+        victims = [
+            b for b in self.index.map.values()
+            if ns_arr[b] in wanted and (owner_slot is None or owner[b] == owner_slot)
+        ]
+        for b in victims:
+            if self.alloc.state[b] == CACHED:
+                self.alloc.uncache(b)
+                self._unindex(b)
+                self.alloc.give_back(b)
+            else:
+                self._unindex(b)
+        if victims and self.on_event is not None and len(self.index) == 0:
+            self.on_event("all_cleared", {})
+        return len(victims)
+
+    def take_scrubbed(self) -> list[int]:
+        """Blocks that must be zeroed before the worker uses them (drained by the pool layer)."""
+        out, self._scrub = self._scrub, []
+        return out
+
+    # -- internals: fit, allocation, eviction -------------------------------------------------
+
+    def _fits(self, tenant: int, need: int, hits: Seq[int]) -> DoesNotFit | None:
+        """Whether ``need`` new blocks fit for ``tenant`` once ``hits`` are revived."""
+        if need <= 0:
+            return None
+        alloc = self.alloc
+        state = alloc.state
+        owner = alloc.owner
+        # Cached blocks about to be hit leave the LRU: they are no longer evictable.
+        hit_cached = [b for b in hits if state[b] == CACHED]
+        own_hit_cached = sum(1 for b in hit_cached if owner[b] == tenant)
+        policy = self.tenants.policies[tenant]
+        over = alloc.usage[tenant] + need - policy.quota_blocks
+        own_evictable = alloc.cached[tenant] - own_hit_cached
+        if over > own_evictable:
+            return DoesNotFit("quota", need, policy.quota_blocks - alloc.usage[tenant]
+                              + own_evictable)
+        available = alloc.num_free + alloc.num_cached - len(hit_cached)
+        if available < need:
+            return DoesNotFit("pool", need, available)
+        reserved = 0
+        for slot, p in enumerate(self.tenants.policies):
+            if slot != tenant and p.guaranteed_blocks:
+                live = alloc.usage[slot] - alloc.cached[slot]
+                reserved += max(0, p.guaranteed_blocks - live)
+        if reserved and available - reserved < need:
+            return DoesNotFit("guarantee", need, max(0, available - reserved))
+        return None
+
+    def _allocate(self, tenant: int, n: int) -> list[int]:
+        """Hand out ``n`` blocks (the caller checked ``_fits``), evicting cached ones as needed."""
+        if n <= 0:
+            return []
+        alloc = self.alloc
+        over = alloc.usage[tenant] + n - self.tenants.policies[tenant].quota_blocks
+        if over > 0:
+            self._evict(over, tenant)
+        short = n - alloc.num_free
+        if short > 0:
+            self._evict(short, None)
+        # Scrub decision before take() overwrites the previous owner.
+        free = alloc.free
+        owner = alloc.owner
+        policies = self.tenants.policies
+        scrub_all = self.scrub_always
+        for b in free[len(free) - n:]:
+            prev = owner[b]
+            if prev != NO_OWNER and (scrub_all or (prev != tenant
+                                                   and policies[prev].scrub_on_reuse)):
+                self._scrub.append(b)
+                self.counters.scrubbed_blocks += 1
+        self.counters.allocated_blocks += n
+        return alloc.take(n, tenant)
+
+    def _evict(self, n: int, tenant: int | None) -> None:
+        """Free ``n`` cached blocks, least recently used first (of ``tenant``, or of anyone)."""
+        alloc = self.alloc
+        for _ in range(n):
+            b = alloc.oldest_cached(tenant)
+            if b < 0:
+                raise Internal("eviction found no cached block although the fit check passed")
+            alloc.uncache(b)
+            self._unindex(b)
+            alloc.give_back(b)
+            self.counters.evictions += 1
+
+    def _unindex(self, block: int) -> None:
+        key = self.index.key[block]
+        ns_id = self.index.remove(block)
+        self.namespaces.decref(self.namespaces.get(ns_id))
+        if self.on_event is not None:
+            self.on_event("removed", {"block": block, "key": key})
+
+    def _touch(self, hits: list[int]) -> None:
+        """Take a reference on each hit block; cached ones leave the LRU."""
+        alloc = self.alloc
+        ref = alloc.ref
+        state = alloc.state
+        for b in hits:
+            s = state[b]
+            if s == CACHED:
+                alloc.uncache(b)
+            ref[b] += 1
+            state[b] = COMMITTED
+
+    # -- internals: releases and fences -------------------------------------------------------
+
+    def _release(self, session: Session, seq: Sequence, fence: int) -> int:
+        table = seq.table
+        self._drop_refs(session, table, fence)
+        del self.sequences[seq.id]
+        session.sequences.discard(seq.id)
+        self.namespaces.decref(seq.ns)
+        self.counters.released_blocks += len(table)
+        return len(table)
+
+    def _drop_refs(self, session: Session, blocks: list[int], fence: int) -> None:
+        """Drop one reference on each block under ``fence``.
+
+        A block no sequence references any more is reused only after every fence that covered
+        one of its releases has completed: ``pend`` counts those fences.
+        """
+        alloc = self.alloc
+        ref = alloc.ref
+        if session.is_complete(fence):
+            idle = []
+            for b in blocks:
+                ref[b] -= 1
+                if ref[b] == 0 and alloc.pend[b] == 0:
+                    idle.append(b)
+                elif ref[b] == 0:
+                    alloc.state[b] = PENDING
+            # Reverse order: a sequence's tail block is cached first, so it is evicted first.
+            self._idle(reversed(idle))
+            return
+        pend = alloc.pend
+        state = alloc.state
+        for b in blocks:
+            ref[b] -= 1
+            pend[b] += 1
+            if ref[b] == 0:
+                state[b] = PENDING
+        session.waiting.append((fence, RELEASE, array("i", blocks)))
+
+    def _idle(self, blocks: Iterable[int]) -> None:
+        """Unreferenced blocks with no pending fence: CACHED if indexed, else FREE."""
+        alloc = self.alloc
+        key = self.index.key
+        for b in blocks:
+            if key[b] is not None:
+                alloc.cache(b)
+            else:
+                alloc.give_back(b)
+
+    def _complete(self, session: Session, fence: int, drop_commits_after: int | None = None
+                  ) -> None:
+        session.completed = max(session.completed, min(fence, 2**63))
+        waiting = session.waiting
+        alloc = self.alloc
+        ref = alloc.ref
+        pend = alloc.pend
+        while waiting and waiting[0][0] <= fence:
+            f, kind, payload = waiting.popleft()
+            if kind == COMMIT:
+                assert isinstance(payload, CommitBatch)
+                if drop_commits_after is None or f <= drop_commits_after:
+                    self._apply_commit(payload)
+                else:
+                    self.namespaces.decref(self.namespaces.get(payload.ns_id))
+                continue
+            idle = []
+            for b in payload:  # type: ignore[attr-defined]
+                pend[b] -= 1
+                if pend[b] == 0 and ref[b] == 0:
+                    idle.append(b)
+            self._idle(reversed(idle))
+
+    def _apply_commit(self, batch: CommitBatch) -> None:
+        """Index a committed batch whose K/V is now written."""
+        index = self.index
+        chain = batch.chain
+        ns = self.namespaces.get(batch.ns_id)
+        state = self.alloc.state
+        emit = self.on_event
+        for j, b in enumerate(batch.blocks):
+            i = batch.start + j
+            parent = chain[i - 1] if i > 0 else NO_PARENT
+            if state[b] == FREE or index.key[b] is not None:
+                continue  # flushed meanwhile, or already indexed through a sibling
+            key = batch.keys[j]
+            chunk = batch.chunks[j]
+            if index.insert(b, key, chunk, parent, batch.ns_id):
+                self.namespaces.incref(ns)
+                if emit is not None:
+                    emit("stored", {"block": b, "key": key, "parent": parent,
+                                    "ns": ns, "tokens": chunk})
+                continue
+            # Key taken: an identical block was indexed first. Chain later blocks to it, but
+            # only after verifying it, so a colliding key can never become our parent.
+            other = index.map[key]
+            if (index.tokens[other] == chunk and index.parent[other] == parent
+                    and index.ns[other] == batch.ns_id):
+                chain[i] = other
+        self.namespaces.decref(ns)
+
+    def _fence(self, session: Session, fence: int) -> int:
+        """Validate a step's fence and return the fence its releases and commits wait for.
+
+        Fence 0 means the step itself launches no GPU work; its releases still wait for the
+        session's latest announced fence, since earlier steps' kernels may read the blocks.
+        A nonzero fence announces that value (fences never go backwards).
+        """
+        if fence == 0:
+            return session.issued
+        if fence < 0:
+            raise InvalidArgument("fence must be >= 0", field="fence")
+        if fence <= session.completed:
+            raise InvalidArgument(
+                f"fence {fence} is already complete (completed fence is {session.completed})",
+                field="fence",
+            )
+        if fence < session.issued:
+            raise InvalidArgument(
+                f"fence {fence} is below an earlier step's fence {session.issued}", field="fence"
+            )
+        session.issued = fence
+        return fence
+
+    # -- internals: lookups of ids ------------------------------------------------------------
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound("unknown session", field="session_id")
+        return session
+
+    def _sequence(self, session: Session, seq_id: str) -> Sequence:
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise NotFound("unknown sequence", field="sequence_id")
+        if seq.session != session.id:
+            raise PermissionDenied("the sequence belongs to another session",
+                                   field="sequence_id")
+        return seq
+
+    def _new_seq_id(self) -> str:
+        return secrets.token_urlsafe(12)
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert every invariant of design.md section 2. O(num_blocks): for tests."""
+        a = self.alloc
+        n = self.num_blocks
+        state = a.state
+        refs: Counter[int] = Counter()
+        for seq in self.sequences.values():
+            assert len(seq.table) == -(-seq.num_tokens // self.block_size), seq.id
+            assert len(set(seq.table)) == len(seq.table), "a table names a block twice"
+            refs.update(seq.table)
+        pends: Counter[int] = Counter()
+        for session in self.sessions.values():
+            last = 0
+            for f, kind, payload in session.waiting:
+                assert f >= last, "fence queue out of order"
+                assert f > session.completed, "a completed fence is still waiting"
+                last = f
+                if kind == RELEASE:
+                    pends.update(payload)  # type: ignore[arg-type]
+        free_set = set(a.free)
+        assert len(free_set) == len(a.free), "a block is on the free stack twice"
+        cached_sets = [a.lru_order(t) for t in range(len(a.usage))]
+        cached_all = [b for lst in cached_sets for b in lst]
+        assert len(cached_all) == len(set(cached_all)) == a.num_cached
+        cached_set = set(cached_all)
+        usage = [0] * len(a.usage)
+        for b in range(n):
+            s = state[b]
+            r = a.ref[b]
+            p = a.pend[b]
+            assert r == refs[b], f"block {b}: ref {r} but {refs[b]} tables name it"
+            assert p == pends[b], f"block {b}: pend {p} but {pends[b]} waiting releases"
+            assert (b in free_set) == (s == FREE), f"block {b}: free stack vs state {s}"
+            assert (b in cached_set) == (s == CACHED), f"block {b}: LRU vs state {s}"
+            indexed = self.index.key[b] is not None
+            if s in (FREE, CACHED):
+                assert r == 0 and p == 0, f"block {b} reusable with ref {r} / pend {p}"
+            if s == PENDING:
+                assert r == 0 and p > 0, f"block {b} pending with ref {r} / pend {p}"
+            if s in (WRITING, COMMITTED):
+                assert r >= 1, f"block {b} in use with ref 0"
+            if s == CACHED:
+                assert indexed, f"cached block {b} is not indexed"
+            if indexed:
+                assert s in (COMMITTED, PENDING, CACHED), f"indexed block {b} in state {s}"
+                assert self.index.map[self.index.key[b]] == b  # type: ignore[index]
+                assert self.index.ns[b] != 0
+            if s != FREE:
+                usage[a.owner[b]] += 1
+        assert len(self.index.map) == sum(1 for k in self.index.key if k is not None)
+        assert usage == a.usage, f"usage {a.usage} but blocks say {usage}"
+        assert [len(x) for x in cached_sets] == a.cached
+        assert sum(usage) == n - len(a.free)
+        counts = a.count_states()
+        assert sum(counts) == n
+        # Writes happen only at a sequence's last, partly filled block; a shared one must be
+        # copied first (append does), and no indexed block is ever a write target.
+        for seq in self.sequences.values():
+            if seq.num_tokens % self.block_size:
+                last = seq.table[-1]
+                assert state[last] == WRITING, f"partial block {last} is {state[last]}"
+                assert self.index.key[last] is None
+            for b in seq.table[seq.num_committed:seq.num_tokens // self.block_size]:
+                assert state[b] in (WRITING, COMMITTED)
+        for slot, policy in enumerate(self.tenants.policies):
+            if self.tenants.active[slot]:
+                assert a.usage[slot] <= policy.quota_blocks, f"tenant {policy.tenant_id} over quota"
+
+
+def _fields(scope: PrefixScope, policy: TenantPolicy) -> NamespaceFields:
+    """The namespace of a request: the client's scope plus the server-side sharing domain."""
+    return NamespaceFields(
+        model_id=scope.model_id,
+        model_revision=scope.model_revision,
+        lora_id=scope.lora_id,
+        tokenizer_digest=scope.tokenizer_digest,
+        sharing_domain=policy.sharing_domain,
+        salt=scope.salt,
+    )
