@@ -16,7 +16,7 @@ Lifecycle (design.md section 2)::
 Invariants (checked by ``BlockManager.check_invariants``):
 
 * ``state`` is exactly one of the five states; FREE blocks are exactly those on the free stack,
-  CACHED blocks exactly those on an LRU list;
+  CACHED blocks exactly those on an LRU list (both lists are threaded through ``next``);
 * FREE and CACHED blocks have ``ref == 0`` and ``pend == 0``; PENDING blocks ``ref == 0`` and
   ``pend > 0``; WRITING and COMMITTED blocks ``ref >= 1``;
 * ``usage[t]`` counts the non-FREE blocks owned by tenant ``t``; ``cached[t]`` its CACHED ones.
@@ -37,8 +37,8 @@ STATE_NAMES = ("free", "writing", "committed", "pending", "cached")
 NO_OWNER = 0xFFFF
 _NIL = -1
 
-#: ref(4) + pend(4) + state(1) + owner(2) + prev(4) + next(4) + stamp(8) + free stack(4).
-BYTES_PER_BLOCK = 31
+#: ref(4) + pend(4) + state(1) + owner(2) + prev(4) + next(4) + stamp(8).
+BYTES_PER_BLOCK = 27
 
 
 class BlockAllocator:
@@ -63,11 +63,15 @@ class BlockAllocator:
         # Intrusive doubly linked LRU lists (one per tenant) over CACHED blocks. A list moves
         # blocks by rewriting two ints; an OrderedDict would cost ~100 bytes per entry.
         self.prev = array("i", [_NIL]) * n
-        self.next = array("i", [_NIL]) * n
+        #: LRU successor of a CACHED block, or the next block down the free stack of a FREE one
+        #: (a block is on one list at a time, so the two lists share the array).
+        self.next = array("i", range(1, n + 1))
+        self.next[n - 1] = _NIL
         #: Logical time the block last became CACHED; orders eviction across tenants.
         self.stamp = array("q", bytes(8 * n))
-        # Popping from the end hands out block 0 first: small ids first, like a fresh heap.
-        self.free = array("i", range(n - 1, -1, -1))
+        # The free stack hands out block 0 first: small ids first, like a fresh heap.
+        self.free_head = 0
+        self.num_free = n
         self.usage: list[int] = []
         self.cached: list[int] = []
         self.head: list[int] = []
@@ -87,34 +91,52 @@ class BlockAllocator:
 
     # -- allocation ---------------------------------------------------------------------------
 
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def take(self, n: int, tenant: int) -> list[int]:
+    def take(self, n: int, tenant: int, scrub_owner: list[bool], scrub_all: bool,
+             scrub: list[int]) -> list[int]:
         """Pop ``n`` FREE blocks and make them WRITING, ref 1, owned by ``tenant``.
 
-        The caller has checked that ``n <= num_free``. Returns the ids in table order.
+        The caller has checked that ``n <= num_free``. A block whose previous owner is another
+        tenant with ``scrub_owner[prev]`` set (or any previous owner, with ``scrub_all``) is
+        appended to ``scrub``: it must be zeroed before the worker sees it. Returns the ids in
+        table order.
         """
-        free = self.free
-        ids = free[len(free) - n:]
-        del free[len(free) - n:]
-        ids.reverse()
+        ids = [0] * n
         ref = self.ref
         state = self.state
         owner = self.owner
-        for b in ids:
+        nxt = self.next
+        b = self.free_head
+        for i in range(n):
+            ids[i] = b
+            prev = owner[b]
+            if prev != NO_OWNER and (scrub_all or (prev != tenant and scrub_owner[prev])):
+                scrub.append(b)
             ref[b] = 1
             state[b] = WRITING
             owner[b] = tenant
+            b = nxt[b]
+            nxt[ids[i]] = _NIL
+        self.free_head = b
+        self.num_free -= n
         self.usage[tenant] += n
-        return ids.tolist()
+        return ids
 
     def give_back(self, block: int) -> None:
         """Make an unreferenced, unindexed block with no pending fence FREE."""
         self.state[block] = FREE
         self.usage[self.owner[block]] -= 1
-        self.free.append(block)
+        self.next[block] = self.free_head
+        self.free_head = block
+        self.num_free += 1
+
+    def free_list(self) -> list[int]:
+        """The free stack, next block handed out first (for tests and invariant checks)."""
+        out = []
+        b = self.free_head
+        while b != _NIL and len(out) <= self.num_blocks:
+            out.append(b)
+            b = self.next[b]
+        return out
 
     # -- the cached LRU -----------------------------------------------------------------------
 

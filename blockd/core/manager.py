@@ -25,7 +25,6 @@ from blockd.core.allocator import (
     CACHED,
     COMMITTED,
     FREE,
-    NO_OWNER,
     PENDING,
     STATE_NAMES,
     WRITING,
@@ -152,6 +151,7 @@ class BlockManager:
         self.on_event = on_event
         #: Blocks zeroed since the last ``take_scrubbed`` (the pool layer does the zeroing).
         self._scrub: list[int] = []
+        self._scrub_owner = [p.scrub_on_reuse for p in self.tenants.policies]
 
     # -- tenants and sessions -----------------------------------------------------------------
 
@@ -159,6 +159,7 @@ class BlockManager:
         """Reload tenant policies; sessions and blocks are kept."""
         self.tenants.replace(list(policies))
         self.alloc.ensure_tenants(len(self.tenants))
+        self._scrub_owner = [p.scrub_on_reuse for p in self.tenants.policies]
 
     def open_session(self, tenant_id: str, session_id: str | None = None) -> Session:
         """Start a session acting for ``tenant_id``. Its id is unguessable unless given."""
@@ -227,14 +228,10 @@ class BlockManager:
         ns = self.namespaces.intern(_fields(scope, policy))
         cache = cache and self.enable_prefix_cache
         B = self.block_size
-        keys: list[bytes] = []
-        stream = None
         hits: list[int] = []
         if cache:
-            stream = self.index.new_stream(ns.root_key)
-            self.index.extend_keys(stream, raw, 0, length // B, keys)
             # Leave at least one token to compute: the worker needs the last token's logits.
-            hits = self.index.match(ns.id, keys[: (length - 1) // B], raw)
+            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // B)
         need = -(-length // B) - len(hits)
         verdict = self._fits(session.tenant, need, hits)
         if verdict is not None:
@@ -244,20 +241,28 @@ class BlockManager:
         # -- commit point: nothing above changed any state --
         self._touch(hits)
         new = self._allocate(session.tenant, need)
+        stream = None
+        if cache:
+            # Positioned after the hit blocks: later commits hash only what follows them.
+            stream = self.index.new_stream(ns.root_key)
+            stream.update(memoryview(raw)[: len(hits) * self.index.chunk_bytes])
         seq = Sequence(self._new_seq_id(), session.id, session.tenant, ns, stream, cache,
                        priority)
-        seq.table = hits + new
+        seq.table = array("i", hits)
+        seq.table.extend(new)
         seq.chain = hits.copy()
         seq.num_committed = len(hits)
-        seq.keys = keys
-        seq.tokens = bytearray(raw)
+        if cache:
+            # The sequence keeps only what later commits need: tokens from the first
+            # uncommitted block on.
+            seq.tokens = bytearray(raw[len(hits) * self.index.chunk_bytes:])
         seq.num_tokens = length
         self.namespaces.incref(ns)
         self.sequences[seq.id] = seq
         session.sequences.add(seq.id)
         self.counters.queried_tokens += length
         self.counters.hit_tokens += len(hits) * B
-        return AdmitResult(seq.id, len(hits) * B, seq.table.copy(), length)
+        return AdmitResult(seq.id, len(hits) * B, seq.table.tolist(), length)
 
     def append(self, session_id: str, seq_id: str, tokens: bytes | Seq[int],
                fence: int = 0) -> AppendResult | DoesNotFit:
@@ -301,9 +306,10 @@ class BlockManager:
             table.extend(new[1:])
         else:
             table.extend(new)
-        seq.tokens += raw
+        if seq.cache:
+            seq.tokens += raw
         seq.num_tokens = old_len + n
-        return AppendResult(start, table[start:], seq.num_tokens, copy)
+        return AppendResult(start, table[start:].tolist(), seq.num_tokens, copy)
 
     def fork(self, session_id: str, seq_id: str, num_children: int = 1) -> list[str]:
         """Children that share every block of ``seq_id`` (refcounts go up, nothing is copied).
@@ -348,7 +354,7 @@ class BlockManager:
         start = seq.num_committed
         if full <= start:
             return 0
-        blocks = seq.table[start:full]
+        blocks = seq.table[start:full].tolist()
         state = self.alloc.state
         for b in blocks:
             if state[b] == WRITING:
@@ -356,13 +362,16 @@ class BlockManager:
         seq.num_committed = full
         seq.chain.extend(blocks)
         if seq.cache and seq.stream is not None:
-            if len(seq.keys) < full:
-                self.index.extend_keys(seq.stream, seq.tokens, len(seq.keys), full, seq.keys)
+            # seq.tokens and seq.keys start at block ``start`` (see admit).
+            count = full - start
+            if len(seq.keys) < count:
+                self.index.extend_keys(seq.stream, seq.tokens, len(seq.keys), count, seq.keys)
             step = self.index.chunk_bytes
             tokens = seq.tokens
-            mv = memoryview(tokens)
-            chunks = [bytes(mv[i * step:(i + 1) * step]) for i in range(start, full)]
-            batch = CommitBatch(seq.chain, start, blocks, seq.keys[start:full], chunks, seq.ns.id)
+            chunks = [bytes(tokens[i * step:(i + 1) * step]) for i in range(count)]
+            batch = CommitBatch(seq.chain, start, blocks, seq.keys[:count], chunks, seq.ns.id)
+            del seq.keys[:count]
+            del tokens[:count * step]
             # The batch holds namespace references until it is applied or dropped.
             self.namespaces.incref(seq.ns)
             if session.is_complete(fence):
@@ -386,17 +395,15 @@ class BlockManager:
             return 0
         ns = self.namespaces.intern(_fields(scope, self.tenants.policies[session.tenant]))
         try:
-            keys: list[bytes] = []
-            self.index.extend_keys(self.index.new_stream(ns.root_key), raw, 0,
-                                   (length - 1) // self.block_size, keys)
-            return len(self.index.match(ns.id, keys, raw)) * self.block_size
+            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // self.block_size)
+            return len(hits) * self.block_size
         finally:
             self.namespaces.release_if_unused(ns)
 
     def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]:
         """(block ids, number of tokens) of a sequence of this session."""
         seq = self._sequence(self._session(session_id), seq_id)
-        return seq.table.copy(), seq.num_tokens
+        return seq.table.tolist(), seq.num_tokens
 
     def inspect(self, session_id: str, seq_id: str, start: int = 0,
                 count: int | None = None) -> list[PositionInfo]:
@@ -510,19 +517,12 @@ class BlockManager:
         short = n - alloc.num_free
         if short > 0:
             self._evict(short, None)
-        # Scrub decision before take() overwrites the previous owner.
-        free = alloc.free
-        owner = alloc.owner
-        policies = self.tenants.policies
-        scrub_all = self.scrub_always
-        for b in free[len(free) - n:]:
-            prev = owner[b]
-            if prev != NO_OWNER and (scrub_all or (prev != tenant
-                                                   and policies[prev].scrub_on_reuse)):
-                self._scrub.append(b)
-                self.counters.scrubbed_blocks += 1
+        scrub = self._scrub
+        before = len(scrub)
+        ids = alloc.take(n, tenant, self._scrub_owner, self.scrub_always, scrub)
+        self.counters.scrubbed_blocks += len(scrub) - before
         self.counters.allocated_blocks += n
-        return alloc.take(n, tenant)
+        return ids
 
     def _evict(self, n: int, tenant: int | None) -> None:
         """Free ``n`` cached blocks, least recently used first (of ``tenant``, or of anyone)."""
@@ -719,8 +719,9 @@ class BlockManager:
                 last = f
                 if kind == RELEASE:
                     pends.update(payload)  # type: ignore[arg-type]
-        free_set = set(a.free)
-        assert len(free_set) == len(a.free), "a block is on the free stack twice"
+        free_list = a.free_list()
+        free_set = set(free_list)
+        assert len(free_set) == len(free_list) == a.num_free, "free stack is broken"
         cached_sets = [a.lru_order(t) for t in range(len(a.usage))]
         cached_all = [b for lst in cached_sets for b in lst]
         assert len(cached_all) == len(set(cached_all)) == a.num_cached
@@ -752,7 +753,7 @@ class BlockManager:
         assert len(self.index.map) == sum(1 for k in self.index.key if k is not None)
         assert usage == a.usage, f"usage {a.usage} but blocks say {usage}"
         assert [len(x) for x in cached_sets] == a.cached
-        assert sum(usage) == n - len(a.free)
+        assert sum(usage) == n - a.num_free
         counts = a.count_states()
         assert sum(counts) == n
         # Writes happen only at a sequence's last, partly filled block; a shared one must be

@@ -7,14 +7,15 @@ key of full block ``i`` is the digest of that stream after feeding the token ids
     key_i = XXH3_128(seed, root || tokens[0 : (i + 1) * block_size])
 
 This is the chained key of the design (each key commits to the namespace and every earlier token)
-computed with one streaming state instead of re-hashing ``key_{i-1} || tokens_i``: the state is
-carried per sequence, so each block costs one ``update`` plus one ``digest`` and no byte
-concatenation (see docs/decisions.md).
+computed with one streaming state instead of re-hashing ``key_{i-1} || tokens_i``. It makes the
+key of *any* block one ``update`` of the prompt's bytes plus one ``digest`` (C speed), instead
+of one Python-level step per earlier block; lookups exploit that (see ``match``, and
+docs/decisions.md).
 
-Verification. A key only *finds* a candidate. A hit is accepted only if the candidate's stored
-token ids equal the request's, its parent block is the block matched just before it (or, for the
-first block, it has no parent), and its namespace id equals the request's. A forced collision of
-the hash therefore yields a miss, never another prefix's K/V.
+Verification. A key only *finds* a candidate. A hit is accepted only if every block of the
+matched prefix has the request's token ids, the right parent (the block matched just before it,
+none for the first) and the request's namespace id. A forced collision of the hash therefore
+yields a miss, never another prefix's K/V.
 
 Only COMMITTED/PENDING/CACHED blocks whose commit fence has passed are in the index; the
 BlockManager inserts them when that fence completes.
@@ -30,7 +31,7 @@ import xxhash
 
 NO_PARENT = -1
 
-#: key(8, a pointer shared with the dict key) + tokens(8) + parent(4) + namespace(4).
+#: key(8, a pointer shared with the dict's key) + tokens(8) + parent(4) + namespace(4).
 BYTES_PER_BLOCK = 24
 
 HashFactory = Callable[[int], "xxhash.xxh3_128"]
@@ -83,34 +84,88 @@ class PrefixIndex:
 
     # -- matching -----------------------------------------------------------------------------
 
-    def match(self, ns_id: int, keys: list[bytes], token_bytes: bytes) -> list[int]:
-        """Blocks holding the longest verified prefix whose keys are ``keys``.
+    def key_at(self, root_key: bytes, token_bytes: bytes, num_blocks: int) -> bytes:
+        """The key of block ``num_blocks - 1`` of a prompt: one update, one digest."""
+        h = self._new_hasher(self._seed)
+        h.update(root_key)
+        h.update(memoryview(token_bytes)[: num_blocks * self.chunk_bytes])
+        return h.digest()
 
-        Runs as a few C-level passes (map/compare) rather than a Python loop per block.
+    def match(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int
+              ) -> list[int]:
+        """Blocks holding the longest verified cached prefix (at most ``max_blocks`` blocks).
+
+        Fast path: probe the key of the longest candidate prefix, then binary-search the
+        longest prefix whose last key is indexed (each probe is one update and one digest), and
+        verify it by walking parent pointers back to the root. The walk checks every block
+        (tokens, parent, namespace), so it is as strict as matching block by block. Only when
+        that verification fails (an orphaned block whose parent was evicted, or a collision)
+        does it fall back to hashing and checking each block in turn.
         """
-        found = list(map(self.map.get, keys))
+        if max_blocks <= 0:
+            return []
+        get = self.map.get
+        lo, hi = 0, max_blocks
+        found = get(self.key_at(root_key, token_bytes, hi))
+        if found is not None:
+            lo = hi
+        else:
+            hi -= 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                b = get(self.key_at(root_key, token_bytes, mid))
+                if b is None:
+                    hi = mid - 1
+                else:
+                    lo, found = mid, b
+        if found is None:
+            return []
+        blocks = self._verify_chain(ns_id, found, lo, token_bytes)
+        if blocks is not None:
+            return blocks
+        return self._match_linear(ns_id, root_key, token_bytes, max_blocks)
+
+    def _verify_chain(self, ns_id: int, last: int, n: int, token_bytes: bytes
+                      ) -> list[int] | None:
+        """The ``n`` blocks ending at ``last``, if they hold exactly this prompt's prefix."""
+        parent = self.parent
+        blocks = [0] * n
+        b = last
+        for i in range(n - 1, -1, -1):
+            if b < 0:
+                return None
+            blocks[i] = b
+            b = parent[b]
+        if b != NO_PARENT:
+            return None
         try:
-            found = found[: found.index(None)]
-        except ValueError:
-            pass
-        if not found:
-            return found
-        n = len(found)
+            stored = b"".join(map(self.tokens.__getitem__, blocks))
+        except TypeError:  # a block on the walk is no longer indexed
+            return None
+        if stored != token_bytes[: n * self.chunk_bytes]:
+            return None
+        if list(map(self.ns.__getitem__, blocks)).count(ns_id) != n:
+            return None
+        return blocks
+
+    def _match_linear(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int
+                      ) -> list[int]:
+        """Block-by-block matching: the slow path, correct however the index looks."""
+        keys: list[bytes] = []
+        h = self._new_hasher(self._seed)
+        h.update(root_key)
+        self.extend_keys(h, token_bytes, 0, max_blocks, keys)
         step = self.chunk_bytes
-        chunks = [token_bytes[o:o + step] for o in range(0, n * step, step)]
-        ok = list(map(eq, map(self.tokens.__getitem__, found), chunks))
-        parents = list(map(self.parent.__getitem__, found))
-        namespaces = list(map(self.ns.__getitem__, found))
-        expect_parent = [NO_PARENT]
-        expect_parent += found[:-1]
-        if False in ok or parents != expect_parent or namespaces.count(ns_id) != n:
-            n = 0
-            for i in range(len(found)):
-                if not ok[i] or parents[i] != expect_parent[i] or namespaces[i] != ns_id:
-                    break
-                n += 1
-            found = found[:n]
-        return found
+        out: list[int] = []
+        expect = NO_PARENT
+        for i, key in enumerate(keys):
+            b = self.map.get(key)
+            if (b is None or self.parent[b] != expect or self.ns[b] != ns_id
+                    or not eq(self.tokens[b], token_bytes[i * step:(i + 1) * step])):
+                break
+            out.append(b)
+            expect = b
+        return out
 
     # -- membership ---------------------------------------------------------------------------
 

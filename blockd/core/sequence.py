@@ -50,13 +50,13 @@ class Sequence:
         self.session = session
         self.tenant = tenant
         self.ns = ns
-        self.table: list[int] = []
+        self.table = array("i")
         self.num_tokens = 0
-        #: Every token id so far, uint32 LE.
+        #: Token ids (uint32 LE) from the first uncommitted block on; empty without caching.
         self.tokens = bytearray()
-        #: Key stream positioned after the last block in ``keys``.
+        #: Key stream positioned after the last block whose key is known.
         self.stream = stream
-        #: Keys of the first ``len(keys)`` full blocks.
+        #: Keys of full blocks from the first uncommitted block on.
         self.keys: list[bytes] = []
         self.chain: list[int] = []
         #: Leading full blocks that are committed (hit, or commit scheduled).
@@ -70,7 +70,7 @@ class Sequence:
         child = Sequence(child_id, self.session, self.tenant, self.ns,
                          self.stream.copy() if self.stream is not None else None,
                          self.cache, self.priority)
-        child.table = self.table.copy()
+        child.table = self.table[:]
         child.num_tokens = self.num_tokens
         child.tokens = self.tokens.copy()
         child.keys = self.keys.copy()

@@ -1,0 +1,27 @@
+"""Small builders shared by the core tests."""
+
+from blockd.core import BlockManager, PoolSpec, PrefixScope, TenantPolicy
+
+SCOPE = PrefixScope("llama-tiny", model_revision="r1")
+
+
+def manager(block_size: int = 4, num_blocks: int = 8, quota: int | None = None,
+            tenants: list[TenantPolicy] | None = None, **kw: object) -> BlockManager:
+    if tenants is None:
+        tenants = [TenantPolicy("acme", quota_blocks=quota or num_blocks)]
+    return BlockManager(PoolSpec(block_size=block_size, num_blocks=num_blocks), tenants,
+                        seed=1234, **kw)
+
+
+def snapshot(m: BlockManager) -> tuple:
+    """Everything an operation could change, for 'changed nothing' assertions."""
+    return (
+        m.state_counts(),
+        list(m.alloc.usage),
+        {sid: (s.table.copy(), s.num_tokens) for sid, s in m.sequences.items()},
+        bytes(m.alloc.state),
+        m.alloc.ref.tobytes(),
+        m.alloc.pend.tobytes(),
+        len(m.index),
+        len(m.namespaces),
+    )
