@@ -280,7 +280,7 @@ class BlockManager:
         old_len = seq.num_tokens
         table = seq.table
         old_blocks = len(table)
-        fence = self._fence(session, fence)
+        fence = self._fence(session, fence, announce=False)
         if n == 0:
             return AppendResult(old_blocks, [], old_len)
         cow = old_len % B != 0 and self.alloc.ref[table[-1]] > 1
@@ -293,6 +293,7 @@ class BlockManager:
             new = self._allocate(seq.tenant, need)
         else:
             new = []
+        session.issued = max(session.issued, fence)
         copy = None
         start = old_blocks
         if cow:
@@ -488,15 +489,15 @@ class BlockManager:
         # Cached blocks about to be hit leave the LRU: they are no longer evictable.
         hit_cached = [b for b in hits if state[b] == CACHED]
         own_hit_cached = sum(1 for b in hit_cached if owner[b] == tenant)
+        available = alloc.num_free + alloc.num_cached - len(hit_cached)
+        if available < need:
+            return DoesNotFit("pool", need, available)
         policy = self.tenants.policies[tenant]
         over = alloc.usage[tenant] + need - policy.quota_blocks
         own_evictable = alloc.cached[tenant] - own_hit_cached
         if over > own_evictable:
             return DoesNotFit("quota", need, policy.quota_blocks - alloc.usage[tenant]
                               + own_evictable)
-        available = alloc.num_free + alloc.num_cached - len(hit_cached)
-        if available < need:
-            return DoesNotFit("pool", need, available)
         reserved = 0
         for slot, p in enumerate(self.tenants.policies):
             if slot != tenant and p.guaranteed_blocks:
@@ -655,12 +656,13 @@ class BlockManager:
                 chain[i] = other
         self.namespaces.decref(ns)
 
-    def _fence(self, session: Session, fence: int) -> int:
+    def _fence(self, session: Session, fence: int, announce: bool = True) -> int:
         """Validate a step's fence and return the fence its releases and commits wait for.
 
         Fence 0 means the step itself launches no GPU work; its releases still wait for the
         session's latest announced fence, since earlier steps' kernels may read the blocks.
-        A nonzero fence announces that value (fences never go backwards).
+        A nonzero fence is announced (fences never go backwards) unless ``announce`` is False:
+        an operation that may still fail announces only once it has succeeded.
         """
         if fence == 0:
             return session.issued
@@ -675,7 +677,8 @@ class BlockManager:
             raise InvalidArgument(
                 f"fence {fence} is below an earlier step's fence {session.issued}", field="fence"
             )
-        session.issued = fence
+        if announce:
+            session.issued = fence
         return fence
 
     # -- internals: lookups of ids ------------------------------------------------------------

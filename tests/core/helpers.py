@@ -18,7 +18,7 @@ def snapshot(m: BlockManager) -> tuple:
     return (
         m.state_counts(),
         list(m.alloc.usage),
-        {sid: (s.table.copy(), s.num_tokens) for sid, s in m.sequences.items()},
+        {sid: (s.table.tolist(), s.num_tokens) for sid, s in m.sequences.items()},
         bytes(m.alloc.state),
         m.alloc.ref.tobytes(),
         m.alloc.pend.tobytes(),
