@@ -31,8 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from naive_manager import NaiveBlockManager  # noqa: E402
 from trace import Request, make_trace, summary  # noqa: E402
+
+from naive_manager import NaiveBlockManager  # noqa: E402
 
 from blockd.core import BlockManager, PoolSpec, PrefixScope, TenantPolicy  # noqa: E402
 

@@ -131,7 +131,7 @@ class BlockAllocator:
 
     def free_list(self) -> list[int]:
         """The free stack, next block handed out first (for tests and invariant checks)."""
-        out = []
+        out: list[int] = []
         b = self.free_head
         while b != _NIL and len(out) <= self.num_blocks:
             out.append(b)

@@ -30,9 +30,15 @@ from blockd.core.allocator import (
     WRITING,
     BlockAllocator,
 )
-from blockd.core.errors import FailedPrecondition, Internal, InvalidArgument, NotFound, PermissionDenied
+from blockd.core.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from blockd.core.fences import COMMIT, RELEASE, CommitBatch, Session
-from blockd.core.namespace import Namespace, NamespaceFields, NamespaceTable, PrefixScope
+from blockd.core.namespace import NamespaceFields, NamespaceTable, PrefixScope
 from blockd.core.prefix_index import NO_PARENT, HashFactory, PrefixIndex
 from blockd.core.sequence import Sequence, as_token_bytes
 from blockd.core.spec import PoolSpec
@@ -567,7 +573,7 @@ class BlockManager:
         self.counters.released_blocks += len(table)
         return len(table)
 
-    def _drop_refs(self, session: Session, blocks: list[int], fence: int) -> None:
+    def _drop_refs(self, session: Session, blocks: Seq[int], fence: int) -> None:
         """Drop one reference on each block under ``fence``.
 
         A block no sequence references any more is reused only after every fence that covered
@@ -721,7 +727,8 @@ class BlockManager:
                 assert f > session.completed, "a completed fence is still waiting"
                 last = f
                 if kind == RELEASE:
-                    pends.update(payload)  # type: ignore[arg-type]
+                    assert isinstance(payload, array)
+                    pends.update(payload)
         free_list = a.free_list()
         free_set = set(free_list)
         assert len(free_set) == len(free_list) == a.num_free, "free stack is broken"

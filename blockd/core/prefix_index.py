@@ -66,7 +66,7 @@ class PrefixIndex:
         h.update(root_key)
         return h
 
-    def extend_keys(self, stream: xxhash.xxh3_128, token_bytes: bytes | memoryview,
+    def extend_keys(self, stream: xxhash.xxh3_128, token_bytes: bytes | bytearray | memoryview,
                     start_block: int, end_block: int, out: list[bytes]) -> None:
         """Append the keys of full blocks ``start_block..end_block-1`` to ``out``.
 
@@ -138,10 +138,10 @@ class PrefixIndex:
             b = parent[b]
         if b != NO_PARENT:
             return None
-        try:
-            stored = b"".join(map(self.tokens.__getitem__, blocks))
-        except TypeError:  # a block on the walk is no longer indexed
+        chunks = list(map(self.tokens.__getitem__, blocks))
+        if None in chunks:  # a block on the walk is no longer indexed
             return None
+        stored = b"".join(chunks)  # type: ignore[arg-type]
         if stored != token_bytes[: n * self.chunk_bytes]:
             return None
         if list(map(self.ns.__getitem__, blocks)).count(ns_id) != n:
