@@ -171,6 +171,48 @@ def time_lookup(block_size: int, prompt_len: int = 1500, repeats: int = 2000
     }
 
 
+def metadata_bytes(block_size: int, num_blocks: int = 200_000) -> dict[str, float]:
+    """tracemalloc: manager bytes per block when fresh, and extra bytes per indexed block."""
+    import gc
+    import tracemalloc
+
+    per_seq = 64
+    prompts = [array("I", range(i * per_seq * block_size, (i + 1) * per_seq * block_size))
+               .tobytes() + b"\0\0\0\0" for i in range(num_blocks // (per_seq + 1))]
+    seqs: list[str] = []
+    gc.collect()
+    tracemalloc.start()
+    m = BlockManager(PoolSpec(block_size=block_size, num_blocks=num_blocks),
+                     [TenantPolicy("bench", quota_blocks=num_blocks)], seed=3)
+    fresh, _ = tracemalloc.get_traced_memory()
+    s = m.open_session("bench").id
+    for p in prompts:
+        r = m.admit(s, SCOPE, p, cache=False)
+        seqs.append(r.seq_id)
+    gc.collect()
+    held, _ = tracemalloc.get_traced_memory()
+    m2_blocks = 0
+    # Index everything: admit with caching, commit, release (blocks stay cached).
+    for sid in seqs:
+        m.release(s, sid)
+    gc.collect()
+    base, _ = tracemalloc.get_traced_memory()
+    for p in prompts:
+        r = m.admit(s, SCOPE, p)
+        m2_blocks += m.commit(s, r.seq_id)
+        m.release(s, r.seq_id)
+    gc.collect()
+    indexed, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {
+        "num_blocks": num_blocks,
+        "fresh_bytes_per_block": fresh / num_blocks,
+        "held_bytes_per_block": held / num_blocks,
+        "indexed_blocks": m2_blocks,
+        "extra_bytes_per_indexed_block": (indexed - base) / max(1, m2_blocks),
+    }
+
+
 def plot(result: dict[str, object], path: Path) -> None:
     import matplotlib
 
@@ -247,6 +289,7 @@ def main() -> None:
         **{f"blockd_vs_{k}": blockd / v for k, v in REFERENCE_BLOCK_OPS.items()},
     }
     result["lookup"] = time_lookup(args.block_size)
+    result["metadata"] = metadata_bytes(args.block_size)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for r in runs:
@@ -263,6 +306,10 @@ def main() -> None:
     print(f"lookup ({lk['prompt_tokens']} tokens, {lk['blocks']} blocks): "
           f"{lk['lookup_us_from_bytes']:.1f} us from bytes, "
           f"{lk['lookup_us_from_int_list']:.1f} us from a list of ints")
+    md = result["metadata"]
+    print(f"metadata: {md['fresh_bytes_per_block']:.1f} B/block fresh, "
+          f"{md['held_bytes_per_block']:.1f} B/block with the pool held by live sequences, "
+          f"+{md['extra_bytes_per_indexed_block']:.0f} B per indexed block")
     print(f"peak RSS {result['peak_rss_mib']:.0f} MiB; wrote {args.out} and "
           f"{args.out.with_suffix('.png')}")
 

@@ -256,9 +256,9 @@ class BlockManager:
                        priority)
         seq.table = array("i", hits)
         seq.table.extend(new)
-        seq.chain = hits.copy()
         seq.num_committed = len(hits)
         if cache:
+            seq.chain = hits.copy()
             # The sequence keeps only what later commits need: tokens from the first
             # uncommitted block on.
             seq.tokens = bytearray(raw[len(hits) * self.index.chunk_bytes:])
@@ -367,8 +367,8 @@ class BlockManager:
             if state[b] == WRITING:
                 state[b] = COMMITTED
         seq.num_committed = full
-        seq.chain.extend(blocks)
         if seq.cache and seq.stream is not None:
+            seq.chain.extend(blocks)
             # seq.tokens and seq.keys start at block ``start`` (see admit).
             count = full - start
             if len(seq.keys) < count:
