@@ -78,7 +78,11 @@ def _undocumented(fds: descriptor_pb2.FileDescriptorSet) -> list[str]:
         required.append((path, f"message {msg.name}"))
         for i, field in enumerate(msg.field):
             required.append(((*path, dp.FIELD_FIELD_NUMBER, i), f"field {msg.name}.{field.name}"))
+        # proto3 `optional` fields live in synthetic oneofs that have no source of their own.
+        synthetic = {f.oneof_index for f in msg.field if f.proto3_optional}
         for i, oneof in enumerate(msg.oneof_decl):
+            if i in synthetic:
+                continue
             required.append(
                 ((*path, dp.ONEOF_DECL_FIELD_NUMBER, i), f"oneof {msg.name}.{oneof.name}")
             )

@@ -31,8 +31,8 @@ class PoolSpec:
     """Shape of a KV pool.
 
     Per layer, K and V are each ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype``
-    (``kv_order`` names that order). ``tp_size`` shards split the KV heads; the block id space is
-    shared by all shards.
+    (``kv_order`` names that order). With tensor parallelism there are ``tp_size`` such shards,
+    one per device, each holding ``num_kv_heads`` heads; all shards share one block id space.
     """
 
     #: Tokens per block, 1..256.
@@ -41,7 +41,7 @@ class PoolSpec:
     num_blocks: int
     #: Transformer layers whose K/V the pool holds.
     num_layers: int = 1
-    #: KV heads per layer (across all tensor-parallel shards).
+    #: KV heads per layer held by one tensor-parallel shard.
     num_kv_heads: int = 1
     #: Elements per head.
     head_dim: int = 64
@@ -49,7 +49,7 @@ class PoolSpec:
     dtype: str = "float16"
     #: Physical order of a layer's cache, one of ``KV_ORDERS``.
     kv_order: str = "block_token_head_dim"
-    #: Tensor-parallel shards (each holds num_kv_heads / tp_size heads).
+    #: Tensor-parallel shards.
     tp_size: int = 1
 
     def __post_init__(self) -> None:
@@ -75,26 +75,20 @@ class PoolSpec:
         if self.kv_order not in KV_ORDERS:
             raise InvalidArgument(f"kv_order must be one of {KV_ORDERS}, got {self.kv_order!r}",
                                   field="kv_order")
-        if self.num_kv_heads % self.tp_size:
-            raise InvalidArgument(
-                f"num_kv_heads ({self.num_kv_heads}) must divide evenly by tp_size "
-                f"({self.tp_size})",
-                field="tp_size",
-            )
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of K plus V of one token across all layers and heads."""
+        """Bytes of K plus V of one token, all layers, one shard."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block: K and V of ``block_size`` tokens, all layers, all shards."""
+        """Bytes of one block: K and V of ``block_size`` tokens, all layers, one shard."""
         return self.block_size * self.token_bytes
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the whole pool."""
+        """Bytes of one shard's pool (every shard holds this much)."""
         return self.num_blocks * self.block_bytes
 
     def layout_mismatches(self, other: PoolSpec) -> list[str]:
