@@ -3,22 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="blockd", description=__doc__)
+    parser = argparse.ArgumentParser(prog="blockd", description="blockd: KV-block manager daemon")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="run the daemon (until the gRPC server lands: the core demo)")
+    serve = sub.add_parser("serve", help="run the daemon")
+    from blockd import config
+
+    config.add_flags(serve)
     sub.add_parser("demo-core", help="narrated in-process walk through the block manager")
     args = parser.parse_args(argv)
 
-    from blockd import core_demo
+    if args.command == "demo-core":
+        from blockd import core_demo
 
-    if args.command == "serve":
-        print("blockd serve: the gRPC server is not built yet (next milestone); running the "
-              "in-process core demo instead.", file=sys.stderr)
-    core_demo.run()
+        core_demo.run()
+        return 0
+    from blockd import logs
+    from blockd.core.errors import BlockdError
+
+    try:
+        cfg = config.load(args)
+    except BlockdError as exc:
+        print(f"blockd: bad configuration: {exc.field}: {exc.message}", file=sys.stderr)
+        return 2
+    logs.setup(cfg.log.level, cfg.log.format)
+    from blockd.server.app import serve as run_server
+
+    try:
+        asyncio.run(run_server(cfg))
+    except BlockdError as exc:
+        print(f"blockd: cannot start: {exc.field}: {exc.message}", file=sys.stderr)
+        return 1
     return 0
 
 

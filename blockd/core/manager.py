@@ -209,6 +209,27 @@ class BlockManager:
         if fence > session.completed:
             self._complete(session, fence)
 
+    def begin_step(self, session_id: str, fence: int, completed_fence: int = 0) -> None:
+        """Start a Step: apply the worker's fence progress, then announce the step's fence.
+
+        Both values are validated before either is applied. The operations of the step then
+        pass the same ``fence``.
+        """
+        session = self._session(session_id)
+        if completed_fence < 0 or completed_fence > max(session.issued, session.completed):
+            raise InvalidArgument(
+                f"completed_fence {completed_fence} is beyond the highest fence issued "
+                f"({session.issued})", field="completed_fence")
+        done = max(session.completed, completed_fence)
+        if fence < 0 or (fence and (fence <= done or fence < session.issued)):
+            raise InvalidArgument(
+                f"fence {fence} must be 0 or above both the completed fence ({done}) and "
+                f"every earlier step's fence ({session.issued})", field="fence")
+        if completed_fence > session.completed:
+            self._complete(session, completed_fence)
+        if fence:
+            session.issued = fence
+
     # -- the Step operations ------------------------------------------------------------------
 
     def admit(

@@ -1,0 +1,1 @@
+"""KV pools: the bytes a pool's blocks live in. Pools own memory, never policy."""

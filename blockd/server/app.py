@@ -1,0 +1,117 @@
+"""Run the daemon: gRPC on a Unix socket and TCP, health, reflection, metrics, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
+from blockd.config import Config
+from blockd.server.daemon import Daemon
+from blockd.server.metrics import Metrics, serve_http
+from blockd.server.servicer import BlockdServicer
+
+log = logging.getLogger("blockd.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockdService"].full_name
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
+    daemon = Daemon(cfg)
+    metrics = Metrics()
+    metrics.bind(daemon)
+    sc = cfg.server
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", sc.max_message_bytes),
+        ("grpc.max_send_message_length", sc.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_BlockdServiceServicer_to_server(BlockdServicer(daemon, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+
+    endpoints = {}
+    if sc.unix_socket:
+        path = Path(sc.unix_socket).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            path.unlink()  # a stale socket from an earlier run
+        server.add_insecure_port(f"unix:{path}")
+        endpoints["unix"] = str(path)
+    if sc.tcp_address:
+        host, port = _split(sc.tcp_address)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        endpoints["tcp"] = f"{host}:{bound}"
+    metrics_server = None
+    if cfg.metrics.address:
+        host, port = _split(cfg.metrics.address)
+        metrics_server = await serve_http(metrics, host, port)
+        endpoints["metrics"] = f"{host}:{metrics_server.sockets[0].getsockname()[1]}"
+
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("config %s", json.dumps(cfg.to_dict(), sort_keys=True))
+    log.info("serving %s epoch=%d pool_bytes=%d pid=%d",
+             " ".join(f"{k}={v}" for k, v in endpoints.items()), daemon.epoch,
+             daemon.pool.size, os.getpid())
+    # One machine-readable line for tests and supervisors that start us on port 0.
+    print("BLOCKD_READY " + json.dumps(endpoints), flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+    def reload() -> None:
+        try:
+            daemon.reload_tenants()
+        except Exception as exc:  # keep serving with the old tenants on a bad file
+            log.error("tenants reload failed, keeping the previous tenants: %s", exc)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
+
+    async def reaper() -> None:
+        interval = cfg.lease.reap_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                daemon.reap()
+            except Exception:
+                log.exception("reaping expired sessions failed")
+
+    reap_task = asyncio.create_task(reaper())
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+
+    # Drain: health goes NOT_SERVING, new sessions are refused (UNAVAILABLE), in-flight calls
+    # (Steps) finish, then the server stops within the grace period.
+    log.info("draining grace_seconds=%.1f", sc.grace_seconds)
+    daemon.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(sc.grace_seconds)
+    reap_task.cancel()
+    if metrics_server is not None:
+        metrics_server.close()
+    daemon.close()
+    if sc.unix_socket:
+        Path(endpoints["unix"]).unlink(missing_ok=True)
+    log.info("stopped")

@@ -1,0 +1,170 @@
+"""Prometheus metrics, served over HTTP from the daemon's event loop.
+
+Names follow Prometheus conventions: base units, ``_total`` counters, and bounded labels (a
+tenant label only for configured tenants). The prefix-cache hit rate is
+``rate(blockd_prefix_cache_hit_tokens_total[5m]) / rate(blockd_prefix_cache_queried_tokens_total[5m])``,
+the vLLM convention.
+
+Most values are read from the daemon at scrape time by a custom collector; since the HTTP server
+runs on the same event loop as the gRPC handlers, a scrape always sees a consistent state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+import blockd
+
+if TYPE_CHECKING:
+    from blockd.server.daemon import Daemon
+
+log = logging.getLogger("blockd.metrics")
+
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1.0)
+
+
+class Metrics:
+    """The registry plus the few metrics updated on the hot path."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.step_seconds = Histogram("blockd_step_duration_seconds",
+                                      "Time the daemon spent applying one Step.",
+                                      buckets=STEP_BUCKETS, registry=self.registry)
+        #: Per-operation errors by status name (a bounded label set).
+        self.op_errors: Counter[str] = Counter()
+
+    def bind(self, daemon: Daemon) -> None:
+        self.registry.register(_DaemonCollector(daemon, self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _DaemonCollector(Collector):
+    def __init__(self, daemon: Daemon, metrics: Metrics) -> None:
+        self.d = daemon
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[object]:
+        d = self.d
+        m = d.manager
+        spec = d.spec
+        counts = m.state_counts()
+        g = GaugeMetricFamily("blockd_blocks", "KV blocks by lifecycle state.", labels=["state"])
+        for state, n in counts.items():
+            g.add_metric([state], n)
+        yield g
+        yield GaugeMetricFamily("blockd_blocks_total", "KV blocks in the pool.",
+                                value=spec.num_blocks)
+        used = spec.num_blocks - counts["free"] - counts["cached"]
+        yield GaugeMetricFamily("blockd_block_usage_ratio",
+                                "Fraction of blocks neither free nor cached (0..1).",
+                                value=used / spec.num_blocks)
+        c = m.counters
+        yield CounterMetricFamily("blockd_prefix_cache_queried_tokens",
+                                  "Prompt tokens looked up in the prefix cache at admission.",
+                                  value=c.queried_tokens)
+        yield CounterMetricFamily("blockd_prefix_cache_hit_tokens",
+                                  "Prompt tokens found in the prefix cache at admission.",
+                                  value=c.hit_tokens)
+        yield CounterMetricFamily("blockd_evictions", "Cached blocks evicted.", value=c.evictions)
+        yield CounterMetricFamily("blockd_cow_copies", "Copy-on-write block copies issued.",
+                                  value=c.cow_copies)
+        yield CounterMetricFamily("blockd_scrubbed_blocks",
+                                  "Blocks zeroed before reuse by another tenant.",
+                                  value=c.scrubbed_blocks)
+        yield CounterMetricFamily("blockd_allocated_blocks", "Blocks allocated.",
+                                  value=c.allocated_blocks)
+        fail = CounterMetricFamily("blockd_allocation_failures",
+                                   "Allocations that did not fit, by reason.", labels=["reason"])
+        for reason in ("pool", "quota", "guarantee"):
+            fail.add_metric([reason], c.alloc_failures.get(reason, 0))
+        yield fail
+        errs = CounterMetricFamily("blockd_operation_errors",
+                                   "Step operations that failed, by status.", labels=["code"])
+        for code, n in sorted(self.metrics.op_errors.items()):
+            errs.add_metric([code], n)
+        yield errs
+        yield GaugeMetricFamily("blockd_pending_blocks",
+                                "Blocks waiting for a fence before reuse.",
+                                value=counts["pending"])
+        yield GaugeMetricFamily("blockd_oldest_pending_fence_age_seconds",
+                                "Age of the oldest fence that still holds blocks back.",
+                                value=d.oldest_pending_fence_age())
+        B = spec.block_size
+        waste = sum(len(s.table) * B - s.num_tokens for s in m.sequences.values())
+        yield GaugeMetricFamily("blockd_tail_waste_tokens",
+                                "Unused token slots in the last blocks of live sequences.",
+                                value=waste)
+        yield GaugeMetricFamily("blockd_sessions", "Attached sessions.", value=len(d.sessions))
+        yield GaugeMetricFamily("blockd_sequences", "Live sequences.", value=len(m.sequences))
+        used_t = GaugeMetricFamily("blockd_tenant_used_blocks",
+                                   "Blocks held by a tenant (live, pending and cached).",
+                                   labels=["tenant"])
+        cached_t = GaugeMetricFamily("blockd_tenant_cached_blocks",
+                                     "Cached blocks owned by a tenant.", labels=["tenant"])
+        quota_t = GaugeMetricFamily("blockd_tenant_quota_blocks", "A tenant's quota in blocks.",
+                                    labels=["tenant"])
+        for slot, policy in enumerate(m.tenants.policies):
+            if m.tenants.active[slot]:
+                used_t.add_metric([policy.tenant_id], m.alloc.usage[slot])
+                cached_t.add_metric([policy.tenant_id], m.alloc.cached[slot])
+                quota_t.add_metric([policy.tenant_id], policy.quota_blocks)
+        yield used_t
+        yield cached_t
+        yield quota_t
+        yield GaugeMetricFamily("blockd_epoch", "The pool's current epoch.", value=d.epoch)
+        yield GaugeMetricFamily("blockd_start_time_seconds", "Unix time the daemon started.",
+                                value=d.started)
+        info = InfoMetricFamily("blockd_build", "Build and configuration.")
+        info.add_metric([], {
+            "version": blockd.__version__, "python": platform.python_version(),
+            "pool_backend": d.cfg.pool.backend, "block_size": str(spec.block_size),
+            "num_blocks": str(spec.num_blocks), "dtype": spec.dtype,
+            "prefix_cache": str(d.cfg.cache.enable_prefix_cache).lower(),
+        })
+        yield info
+
+
+async def serve_http(metrics: Metrics, host: str, port: int) -> asyncio.Server:
+    """A minimal HTTP/1.1 server for GET /metrics (and /healthz) on the event loop."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
+            method, path = (line + ["", ""])[:2]
+            if method not in ("GET", "HEAD"):
+                status, body, ctype = "405 Method Not Allowed", b"", "text/plain"
+            elif path.split("?")[0] == "/metrics":
+                status, body = "200 OK", metrics.render()
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+            elif path == "/healthz":
+                status, body, ctype = "200 OK", b"ok\n", "text/plain"
+            else:
+                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            writer.write(head + (body if method == "GET" else b""))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
+                ConnectionError):
+            pass
+        except Exception:  # pragma: no cover - a scrape must never take the daemon down
+            log.exception("metrics request failed")
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)
+
