@@ -102,12 +102,16 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         ready.set()
     await stop.wait()
 
-    # Drain: health goes NOT_SERVING, new sessions are refused (UNAVAILABLE), in-flight calls
-    # (Steps) finish, then the server stops within the grace period.
-    log.info("draining grace_seconds=%.1f", sc.grace_seconds)
+    # Drain: health goes NOT_SERVING and new sessions are refused (UNAVAILABLE), while attached
+    # workers keep stepping until they detach or the grace period ends; then calls still in
+    # flight get a last second and the server stops.
+    log.info("draining grace_seconds=%.1f sessions=%d", sc.grace_seconds, len(daemon.sessions))
     daemon.draining = True
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(sc.grace_seconds)
+    deadline = loop.time() + sc.grace_seconds
+    while daemon.sessions and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(1.0)
     reap_task.cancel()
     if metrics_server is not None:
         metrics_server.close()

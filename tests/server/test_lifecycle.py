@@ -1,0 +1,131 @@
+"""Leases, SIGTERM draining, SIGHUP reloads, and metrics that move with the workload."""
+
+import re
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+import yaml
+from daemon_proc import TENANTS, Worker, admit, append, commit, md, start
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.server.tenants_file import token_hash
+
+
+def metric(d, name: str) -> float:  # type: ignore[no-untyped-def]
+    body = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", body, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_lease_expiry_reclaims_a_silent_sessions_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = start(tmp_path / "lease")
+    try:
+        stub = d.stub("unix")
+        silent = Worker(stub, "alice", "acme", lease_ms=300)
+        live = Worker(stub, "bob", "globex", lease_ms=60_000)
+        silent.step(admit(list(range(40))))
+        silent.step(admit(list(range(100, 120))), fence=7)  # fence 7 never reported
+        live.admit([1, 2, 3])
+        st = live.stub.Stats(pb.StatsRequest(), metadata=md("admin"))
+        assert st.num_sessions == 2 and st.blocks_free == 64 - 10 - 5 - 1
+        time.sleep(0.8)
+        st = live.stub.Stats(pb.StatsRequest(), metadata=md("admin"))
+        assert st.num_sessions == 1 and st.num_sequences == 1
+        assert st.blocks_free == 63 and st.blocks_pending == 0
+        with pytest.raises(grpc.RpcError) as info:
+            silent.step()
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "lease expired" in d.log_text()
+    finally:
+        d.stop()
+
+
+def test_sigterm_drains_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = start(tmp_path / "term", extra={"server": {"grace_seconds": 2.0}})
+    stub = d.stub("unix")
+    health = health_pb2_grpc.HealthStub(d.channel("tcp"))
+    w = Worker(stub, "alice", "acme")
+    seq = w.admit([1, 2, 3]).sequence_id
+    # A stream with steps in flight when the signal arrives keeps being answered.
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    d.signal(signal.SIGTERM)
+    assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    r = w.step(append(seq, [4]))  # an attached worker's Steps go on while draining
+    assert r.results[0].append.num_tokens == 4
+    with pytest.raises(grpc.RpcError) as info:  # new sessions are refused
+        Worker(stub, "bob", "globex")
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    t0 = time.monotonic()
+    w.stub.Detach(pb.DetachRequest(session_id=w.sid), metadata=md("alice"))
+    assert d.proc.wait(10) == 0  # the last session detached: the daemon stops before the grace
+    assert time.monotonic() - t0 < 2.0
+    assert "draining" in d.log_text() and "stopped" in d.log_text()
+    d.stop()
+
+
+def test_sighup_reloads_tenants_without_dropping_sessions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = start(tmp_path / "hup")
+    try:
+        stub = d.stub("unix")
+        w = Worker(stub, "alice", "acme")
+        seq = w.admit([1, 2, 3]).sequence_id
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Attach(pb.AttachRequest(tenant_id="hooli", layout=w.att.pool.layout),
+                        metadata=(("authorization", "Bearer tok-new"),))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        tenants = yaml.safe_load(yaml.safe_dump(TENANTS))
+        tenants["tenants"].append({"id": "hooli", "quota_blocks": 8})
+        tenants["workers"].append({"name": "new", "token_sha256": token_hash("tok-new"),
+                                   "tenants": ["hooli"]})
+        tenants["tenants"][0]["quota_blocks"] = 50
+        d.tenants_path.write_text(yaml.safe_dump(tenants))
+        d.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while "tenants reloaded" not in d.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        att = stub.Attach(pb.AttachRequest(tenant_id="hooli", layout=w.att.pool.layout),
+                          metadata=(("authorization", "Bearer tok-new"),))
+        assert att.session_id
+        r = w.step(append(seq, [4, 5]))  # the old session goes on
+        assert r.results[0].append.num_tokens == 5
+        quotas = {t.tenant_id: t.quota_blocks
+                  for t in stub.Stats(pb.StatsRequest(), metadata=md("admin")).tenants}
+        assert quotas["acme"] == 50 and quotas["hooli"] == 8
+        # A broken file is refused and the previous tenants stay.
+        d.tenants_path.write_text("tenants: [{id: 'bad name', quota_blocks: 1}]")
+        d.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while "reload failed" not in d.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "reload failed" in d.log_text()
+        assert w.step(append(seq, [6])).results[0].append.num_tokens == 6
+    finally:
+        d.stop()
+
+
+def test_metrics_follow_the_workload(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = start(tmp_path / "metrics")
+    try:
+        w = Worker(d.stub("tcp"), "alice", "acme")
+        assert metric(d, "blockd_prefix_cache_hit_tokens_total") == 0
+        prompt = list(range(50, 63))
+        seq = w.admit(prompt).sequence_id
+        w.step(commit(seq))
+        w.step(completed=1)
+        queried = metric(d, "blockd_prefix_cache_queried_tokens_total")
+        for i in range(3):
+            w.admit(prompt + [i])
+        assert metric(d, "blockd_prefix_cache_hit_tokens_total") == 3 * 12
+        assert metric(d, "blockd_prefix_cache_queried_tokens_total") == queried + 3 * 14
+        assert metric(d, "blockd_sessions") == 1
+        assert metric(d, 'blockd_tenant_used_blocks{tenant="acme"}') > 0
+        assert metric(d, "blockd_step_duration_seconds_count") >= 5
+        assert metric(d, "blockd_tail_waste_tokens") == (4 * 4 - 13) + 3 * (4 * 4 - 14)
+    finally:
+        d.stop()
