@@ -47,6 +47,9 @@ class ServerConfig:
     #: Check every invariant of the block manager after each mutating call (O(num_blocks):
     #: for tests and debugging; a violation is logged and answered with INTERNAL).
     check_invariants: bool = False
+    #: Also serve ``/blockd.bench.Echo/Echo`` (returns its request bytes): the transport
+    #: baseline the Step benchmark compares against. Off in production.
+    enable_echo: bool = False
 
 
 @dataclass(frozen=True)

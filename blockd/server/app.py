@@ -24,6 +24,10 @@ log = logging.getLogger("blockd.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockdService"].full_name
 
 
+async def _echo(request: bytes, context: object) -> bytes:
+    return request
+
+
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]") or "127.0.0.1", int(port)
@@ -41,6 +45,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         ("grpc.so_reuseport", 0),
     ])
     pb_grpc.add_BlockdServiceServicer_to_server(BlockdServicer(daemon, metrics), server)
+    if sc.enable_echo:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "blockd.bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(_echo)}),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

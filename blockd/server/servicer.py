@@ -25,6 +25,7 @@ from blockd.core.errors import (
     BlockdError,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PermissionDenied,
     StatusCode,
 )
@@ -252,10 +253,20 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         n = self.m.lookup(info.id, scope, tokens)
         return pb.LookupResponse(num_cached_tokens=n, num_cached_blocks=n // self.d.spec.block_size)
 
+    def _owning_session(self, session_id: str, sequence_id: str, context: Any) -> SessionInfo:
+        """The named session; an admin (an operator's blockctl) may leave it empty."""
+        principal = self.d.authenticate(context.invocation_metadata())
+        if not session_id and principal.admin:
+            seq = self.m.sequences.get(sequence_id)
+            if seq is None:
+                raise NotFound("unknown sequence", field="sequence_id")
+            session_id = seq.session
+        return self.d.session(principal, session_id)
+
     @_rpc
     async def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any
                             ) -> pb.GetBlockTableResponse:
-        info = self._session(request.session_id, context)
+        info = self._owning_session(request.session_id, request.sequence_id, context)
         table, n = self.m.block_table(info.id, request.sequence_id)
         return pb.GetBlockTableResponse(sequence_id=request.sequence_id, epoch=self.d.epoch,
                                         block_ids=table, num_tokens=n,
@@ -263,7 +274,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     @_rpc
     async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectResponse:
-        info = self._session(request.session_id, context)
+        info = self._owning_session(request.session_id, request.sequence_id, context)
         if request.max_positions > 65536:
             raise InvalidArgument("max_positions is at most 65536", field="max_positions")
         count = request.max_positions or 65536
