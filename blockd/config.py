@@ -79,6 +79,8 @@ class PoolConfig:
     tp_size: int = 1
     #: Touch every page at creation, so the first steps do not pay for page faults.
     prefault: bool = False
+    #: How often the daemon reads the sessions' fence pages, milliseconds.
+    fence_poll_ms: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.config import Config
+from blockd.pools.handles import HandleServer
 from blockd.server.daemon import Daemon
 from blockd.server.metrics import Metrics, serve_http
 from blockd.server.servicer import BlockdServicer
@@ -66,6 +67,11 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         host, port = _split(sc.tcp_address)
         bound = server.add_insecure_port(f"{host}:{port}")
         endpoints["tcp"] = f"{host}:{bound}"
+    handles = None
+    if sc.handle_socket:
+        handles = HandleServer(sc.handle_socket, daemon.handle_for)
+        handles.start()
+        endpoints["handles"] = handles.path
     metrics_server = None
     if cfg.metrics.address:
         host, port = _split(cfg.metrics.address)
@@ -104,7 +110,17 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             except Exception:
                 log.exception("reaping expired sessions failed")
 
+    async def fence_poller() -> None:
+        interval = cfg.pool.fence_poll_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                daemon.poll_fences()
+            except Exception:
+                log.exception("polling fence pages failed")
+
     reap_task = asyncio.create_task(reaper())
+    poll_task = asyncio.create_task(fence_poller())
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -120,6 +136,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         await asyncio.sleep(0.05)
     await server.stop(1.0)
     reap_task.cancel()
+    poll_task.cancel()
+    if handles is not None:
+        handles.close()
     if metrics_server is not None:
         metrics_server.close()
     daemon.close()

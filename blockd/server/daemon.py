@@ -22,6 +22,7 @@ from blockd.core.errors import (
 )
 from blockd.core.manager import BlockManager
 from blockd.core.spec import PoolSpec
+from blockd.pools.fences import PAGE_BYTES, FencePage
 from blockd.pools.host import HostPool
 from blockd.server import tenants_file
 from blockd.server.events import EventLog
@@ -44,6 +45,8 @@ class SessionInfo:
     last_response: pb.StepResponse | None = None
     #: (fence, monotonic time it was announced), oldest first, until completed.
     fence_times: deque[tuple[int, float]] = field(default_factory=deque)
+    #: Where the worker publishes its completed fence (polled by the daemon).
+    fence_page: FencePage | None = None
 
 
 def pool_spec(cfg: Config) -> PoolSpec:
@@ -121,9 +124,10 @@ class Daemon:
             return info
         if len(self.sessions) >= self.cfg.server.max_sessions:
             raise ResourceExhausted("the daemon's session limit is reached", reason="sessions")
+        page = FencePage()
         core = self.manager.open_session(req.tenant_id)
         info = SessionInfo(core.id, req.tenant_id, principal.name, req.worker_name, lease,
-                           time.monotonic() + lease / 1000)
+                           time.monotonic() + lease / 1000, fence_page=page)
         self.sessions[core.id] = info
         log.info("session attached tenant=%s worker=%s lease_ms=%d", req.tenant_id,
                  req.worker_name, lease)
@@ -146,8 +150,11 @@ class Daemon:
         info.expires_at = time.monotonic() + info.lease_ms / 1000
 
     def detach(self, info: SessionInfo, reason: str) -> int:
+        self.poll_fence(info)  # whatever the worker published last still counts for commits
         released = self.manager.close_session(info.id)
         del self.sessions[info.id]
+        if info.fence_page is not None:
+            info.fence_page.close()
         log.info("session closed tenant=%s worker=%s reason=%s sequences=%d", info.tenant_id,
                  info.worker_name, reason, released)
         return released
@@ -159,6 +166,39 @@ class Daemon:
         for info in expired:
             self.detach(info, "lease expired")
         return len(expired)
+
+    def poll_fence(self, info: SessionInfo) -> None:
+        """Apply the fence the worker published in its fence page, if it advanced."""
+        if info.fence_page is None:
+            return
+        core = self.manager.sessions[info.id]
+        value = info.fence_page.read()
+        if value > core.completed:
+            # A value beyond the fences announced so far is clamped: completing a fence no
+            # Step named would retire blocks on the worker's word alone.
+            value = min(value, core.issued)
+            if value > core.completed:
+                self.manager.complete_fence(info.id, value)
+                self.note_fences(info, 0)
+
+    def poll_fences(self) -> None:
+        for info in list(self.sessions.values()):
+            self.poll_fence(info)
+
+    def handle_for(self, session_id: str) -> tuple[dict[str, object], list[int]] | None:
+        """What the handle server sends a session's worker (called from its thread)."""
+        info = self.sessions.get(session_id)
+        if info is None or info.fence_page is None:
+            return None
+        spec = self.spec
+        header: dict[str, object] = {
+            "epoch": self.epoch, "backend": self.pool.backend, "pool_bytes": self.pool.size,
+            "num_blocks": spec.num_blocks, "block_size": spec.block_size,
+            "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim, "dtype": spec.dtype, "tp_size": spec.tp_size,
+            "fence_page_bytes": PAGE_BYTES,
+        }
+        return header, [self.pool.fd, info.fence_page.fd]
 
     def note_fences(self, info: SessionInfo, fence: int) -> None:
         """Track when fences were announced (for the oldest-pending-fence age metric)."""
@@ -184,4 +224,7 @@ class Daemon:
         return now - oldest
 
     def close(self) -> None:
+        for info in self.sessions.values():
+            if info.fence_page is not None:
+                info.fence_page.close()
         self.pool.close()

@@ -160,6 +160,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         if len(req.operations) > limit:
             raise InvalidArgument(f"more than {limit} operations", field="operations")
         sid = info.id
+        self.d.poll_fence(info)
         self.m.begin_step(sid, req.fence, req.completed_fence)
         self.d.note_fences(info, req.fence)
         resp = pb.StepResponse(step_id=req.step_id, epoch=self.d.epoch)
