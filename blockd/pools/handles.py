@@ -7,7 +7,8 @@ Protocol (one request per connection)::
                        + SCM_RIGHTS [pool fd, fence page fd]
                    or  {"ok": false, "code": "NOT_FOUND", "message": "..."}\n
 
-The session id is the capability: it is unguessable and only the worker that attached knows it.
+The worker's side is ``blockd_client.pool.fetch_handles``. The session id is the capability:
+it is unguessable and only the worker that attached knows it.
 No file name is ever created that another process could open. The server runs on its own thread
 with blocking sockets (asyncio has no portable SCM_RIGHTS), and only reads daemon state through
 ``lookup``, which returns immutable values.
@@ -15,6 +16,7 @@ with blocking sockets (asyncio has no portable SCM_RIGHTS), and only reads daemo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -84,31 +86,8 @@ class HandleServer:
 
     def close(self) -> None:
         self._stop = True
-        try:
+        with contextlib.suppress(OSError):  # not connected: nothing to shut down
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
         self.thread.join(timeout=2)
         Path(self.path).unlink(missing_ok=True)
-
-
-def fetch(path: str, session_id: str, timeout: float = 10.0) -> tuple[dict[str, Any], list[int]]:
-    """The worker's side: ask for a session's descriptors. Raises ConnectionError on refusal."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(json.dumps({"session_id": session_id}).encode() + b"\n")
-        msg, fds, _flags, _addr = socket.recv_fds(s, 65536, 8)
-        buf = msg
-        while not buf.endswith(b"\n"):
-            more = s.recv(65536)
-            if not more:
-                break
-            buf += more
-    header = json.loads(buf)
-    if not header.get("ok"):
-        for fd in fds:
-            os.close(fd)
-        raise ConnectionError(f"{header.get('code')}: {header.get('message')}")
-    return header, fds

@@ -1,9 +1,10 @@
 """Prometheus metrics, served over HTTP from the daemon's event loop.
 
 Names follow Prometheus conventions: base units, ``_total`` counters, and bounded labels (a
-tenant label only for configured tenants). The prefix-cache hit rate is
-``rate(blockd_prefix_cache_hit_tokens_total[5m]) / rate(blockd_prefix_cache_queried_tokens_total[5m])``,
-the vLLM convention.
+tenant label only for configured tenants). The prefix-cache hit rate, the vLLM convention::
+
+    rate(blockd_prefix_cache_hit_tokens_total[5m])
+      / rate(blockd_prefix_cache_queried_tokens_total[5m])
 
 Most values are read from the daemon at scrape time by a custom collector; since the HTTP server
 runs on the same event loop as the gRPC handlers, a scrape always sees a consistent state.

@@ -1,4 +1,18 @@
 """blockd's worker-side client library (import name ``blockd_client``).
 
-It depends only on the generated API stubs (``blockd.api.v1``) and ``blockd_gpu``.
+It depends only on the generated API stubs (``blockd.api.v1``) and ``blockd_gpu``:
+
+- ``Client`` / ``AsyncClient``: a channel with deadlines and retries on UNAVAILABLE;
+- ``Client.attach(tenant, layout)`` -> ``Session``: the pool mapped zero-copy (``PoolView``),
+  local block tables (``BlockTables``), ``step(ops)``, ``complete(fence)``;
+- ``requests``: builders for operations and namespaces;
+- ``BlockdError`` / ``EpochChanged``.
 """
+
+from blockd_client.aio import AsyncClient, AsyncSession
+from blockd_client.client import Client, Session
+from blockd_client.errors import BlockdError, EpochChanged
+from blockd_client.session import StepOutcome
+
+__all__ = ["AsyncClient", "AsyncSession", "BlockdError", "Client", "EpochChanged", "Session",
+           "StepOutcome"]

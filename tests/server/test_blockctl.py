@@ -33,7 +33,7 @@ def test_stats_tenants_inspect_watch_flush(daemon) -> None:  # type: ignore[no-u
     lines = [line.split() for line in out.splitlines()[3:]]
     assert len(lines) == 7
     table = list(a.block_table)
-    for pos, lb, off, pb_, slot, *_ in lines:
+    for pos, _lb, off, pb_, slot, *_ in lines:
         assert int(pb_) == table[int(pos) // 4] and int(slot) == int(pb_) * 4 + int(off)
     js = json.loads(ctl(daemon, "--json", "inspect", a.sequence_id).stdout)
     assert len(js["positions"]) == 7

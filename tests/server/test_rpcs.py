@@ -121,7 +121,8 @@ def test_health_reflection_and_metrics(daemon) -> None:  # type: ignore[no-untyp
     assert "blockd.v1.BlockdService" in names and "grpc.health.v1.Health" in names
     body = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
     for name in ("blockd_blocks{state=\"free\"}", "blockd_prefix_cache_hit_tokens_total",
-                 "blockd_step_duration_seconds_bucket", "blockd_tenant_quota_blocks{tenant=\"acme\"}",
+                 "blockd_step_duration_seconds_bucket",
+                 "blockd_tenant_quota_blocks{tenant=\"acme\"}",
                  "blockd_build_info", "blockd_oldest_pending_fence_age_seconds",
                  "blockd_tail_waste_tokens", "blockd_allocation_failures_total{reason=\"quota\"}"):
         assert name in body, name

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from daemon_proc import LAYOUT, NS, Worker, admit, append, attach, fork, md, release
+from daemon_proc import LAYOUT, Worker, admit, append, attach, fork, md, release
 
 from blockd.api.v1 import blockd_pb2 as pb
 

@@ -1,0 +1,86 @@
+"""The asyncio client: the same requests, errors and session state as ``Client``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
+from blockd_client.client import backoff_delays, channel_options
+from blockd_client.errors import BlockdError
+from blockd_client.requests import layout_proto
+from blockd_client.session import SessionState, StepOutcome
+
+
+class AsyncClient:
+    def __init__(self, target: str, *, token: str = "", timeout: float = 10.0,
+                 retries: int = 6, backoff: float = 0.05) -> None:
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+        self.stub = pb_grpc.BlockdServiceStub(self.channel)
+
+    async def call(self, method: Any, request: Any, *, timeout: float | None = None) -> Any:
+        delays = backoff_delays(self.retries, self.backoff)
+        while True:
+            try:
+                return await method(request, metadata=self.metadata,
+                                    timeout=self.timeout if timeout is None else timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE and delays:
+                    await asyncio.sleep(delays.pop(0))
+                    continue
+                raise BlockdError.from_rpc(err) from None
+
+    async def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1,
+                     worker_name: str = "", lease_ms: int = 0, map_pool: bool = True,
+                     max_seqs: int = 1024, max_blocks: int = 1024, device: Any = "cpu"
+                     ) -> AsyncSession:
+        req = pb.AttachRequest(worker_name=worker_name, tenant_id=tenant_id,
+                               layout=layout_proto(layout, tp_size), lease_ms=lease_ms)
+        resp = await self.call(self.stub.Attach, req)
+        pool = None
+        if map_pool:
+            from blockd_client.pool import PoolView
+
+            pool = await asyncio.to_thread(PoolView, resp.pool.handle_socket_path,
+                                           resp.session_id)
+        return AsyncSession(self, SessionState(resp, pool, max_seqs, max_blocks, device))
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self.call(self.stub.Stats, pb.StatsRequest())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class AsyncSession:
+    def __init__(self, client: AsyncClient, state: SessionState) -> None:
+        self.client = client
+        self.state = state
+
+    @property
+    def session_id(self) -> str:
+        return self.state.session_id
+
+    async def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
+        ops = list(ops)
+        resp = await self.client.call(self.client.stub.Step, self.state.request(ops))
+        return self.state.apply(ops, resp)
+
+    def complete(self, fence: int) -> None:
+        self.state.complete(fence)
+
+    async def detach(self) -> int:
+        resp = await self.client.call(self.client.stub.Detach,
+                                      pb.DetachRequest(session_id=self.session_id))
+        if self.state.pool is not None:
+            self.state.pool.close()
+            self.state.pool = None
+        return resp.num_sequences_released

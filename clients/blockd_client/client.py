@@ -1,0 +1,185 @@
+"""The synchronous client: ``Client`` (one channel) and ``Session`` (one attached worker).
+
+Every call has an explicit deadline; UNAVAILABLE (the daemon restarting, a connection reset) is
+retried with exponential backoff and jitter, nothing else is. A Step keeps its step_id across
+retries, so a Step the daemon applied before the connection dropped is answered from its record,
+never applied twice. When the pool's epoch changes the session re-attaches, re-maps the pool and
+raises ``EpochChanged`` so the engine re-admits its requests.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
+from blockd_client.errors import BlockdError, EpochChanged
+from blockd_client.requests import layout_proto
+from blockd_client.session import SessionState, StepOutcome
+
+T = TypeVar("T")
+MAX_MESSAGE = 16 * 1024 * 1024
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    return [("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE)]
+
+
+def backoff_delays(retries: int, base: float, cap: float = 2.0) -> list[float]:
+    """Full-jitter exponential backoff: what to sleep before retry 1..retries."""
+    return [random.uniform(0, min(cap, base * 2**i)) for i in range(retries)]
+
+
+class Client:
+    """A connection to one blockd. ``target`` is ``unix:PATH`` or ``HOST:PORT``."""
+
+    def __init__(self, target: str, *, token: str = "", timeout: float = 10.0,
+                 retries: int = 6, backoff: float = 0.05) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.channel = grpc.insecure_channel(target, options=channel_options())
+        self.stub = pb_grpc.BlockdServiceStub(self.channel)
+
+    def call(self, method: Callable[..., T], request: Any, *, timeout: float | None = None
+             ) -> T:
+        """One RPC with a deadline, retried on UNAVAILABLE only."""
+        delays = backoff_delays(self.retries, self.backoff)
+        while True:
+            try:
+                return method(request, metadata=self.metadata,
+                              timeout=self.timeout if timeout is None else timeout)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE and delays:
+                    time.sleep(delays.pop(0))
+                    continue
+                raise BlockdError.from_rpc(err) from None
+
+    def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1, worker_name: str = "",
+               lease_ms: int = 0, map_pool: bool = True, max_seqs: int = 1024,
+               max_blocks: int = 1024, device: Any = "cpu") -> Session:
+        """Open a session. ``layout`` is the ``blockd_gpu.KvLayout`` the kernels expect; any
+        difference from the pool fails with FAILED_PRECONDITION naming the field."""
+        req = pb.AttachRequest(worker_name=worker_name, tenant_id=tenant_id,
+                               layout=layout_proto(layout, tp_size), lease_ms=lease_ms)
+        return Session(self, req, map_pool, max_seqs, max_blocks, device)
+
+    def stats(self) -> pb.StatsResponse:
+        return self.call(self.stub.Stats, pb.StatsRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session:
+    """One attached worker: steps, fences, the mapped pool and the local block tables."""
+
+    def __init__(self, client: Client, req: pb.AttachRequest, map_pool: bool, max_seqs: int,
+                 max_blocks: int, device: Any) -> None:
+        self.client = client
+        self._attach_req = req
+        self._map_pool = map_pool
+        self._sizes = (max_seqs, max_blocks, device)
+        self.state = self._attach(req)
+
+    def _attach(self, req: pb.AttachRequest) -> SessionState:
+        resp = self.client.call(self.client.stub.Attach, req)
+        pool = None
+        if self._map_pool:
+            from blockd_client.pool import PoolView
+
+            pool = PoolView(resp.pool.handle_socket_path, resp.session_id)
+        return SessionState(resp, pool, *self._sizes)
+
+    @property
+    def session_id(self) -> str:
+        return self.state.session_id
+
+    @property
+    def epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def pool(self) -> Any:
+        return self.state.pool
+
+    @property
+    def tables(self) -> Any:
+        return self.state.tables
+
+    def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
+        """Apply one scheduler iteration. Copy-on-write copies are done on return; run the
+        step's kernels, then call ``complete(outcome.fence)``."""
+        ops = list(ops)
+        req = self.state.request(ops)
+        try:
+            resp = self.client.call(self.client.stub.Step, req)
+        except BlockdError as err:
+            self._maybe_new_epoch(err)
+            raise
+        return self.state.apply(ops, resp)
+
+    def complete(self, fence: int) -> None:
+        self.state.complete(fence)
+
+    def heartbeat(self) -> pb.HeartbeatResponse:
+        try:
+            return self.client.call(self.client.stub.Heartbeat, pb.HeartbeatRequest(
+                session_id=self.session_id, epoch=self.epoch,
+                completed_fence=self.state.counter.completed))
+        except BlockdError as err:
+            self._maybe_new_epoch(err)
+            raise
+
+    def lookup(self, ns: pb.CacheNamespace, tokens: Sequence[int]) -> int:
+        return self.client.call(self.client.stub.Lookup, pb.LookupRequest(
+            session_id=self.session_id, epoch=self.epoch, namespace=ns,
+            token_ids=tokens)).num_cached_tokens
+
+    def block_table(self, seq_id: str) -> pb.GetBlockTableResponse:
+        return self.client.call(self.client.stub.GetBlockTable, pb.GetBlockTableRequest(
+            session_id=self.session_id, sequence_id=seq_id))
+
+    def inspect(self, seq_id: str) -> pb.InspectResponse:
+        return self.client.call(self.client.stub.Inspect, pb.InspectRequest(
+            session_id=self.session_id, sequence_id=seq_id))
+
+    def detach(self) -> int:
+        n = self.client.call(self.client.stub.Detach,
+                             pb.DetachRequest(session_id=self.session_id))
+        self._close_pool()
+        return n.num_sequences_released
+
+    def _close_pool(self) -> None:
+        if self.state.pool is not None:
+            self.state.tables = None  # type: ignore[assignment]
+            self.state.pool.close()
+            self.state.pool = None
+
+    def _maybe_new_epoch(self, err: BlockdError) -> None:
+        """A stale epoch or a forgotten session (daemon restart): re-attach, then tell."""
+        stale = err.status == grpc.StatusCode.FAILED_PRECONDITION and err.field == "epoch"
+        gone = err.status == grpc.StatusCode.NOT_FOUND and err.field == "session_id"
+        if not (stale or gone):
+            return
+        old = self.epoch
+        req = pb.AttachRequest()
+        req.CopyFrom(self._attach_req)
+        req.resume_session_id = self.session_id
+        self._close_pool()
+        self.state = self._attach(req)
+        raise EpochChanged(old, self.epoch) from err

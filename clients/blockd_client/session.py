@@ -1,0 +1,88 @@
+"""What a worker keeps per session, shared by the sync and asyncio clients.
+
+``SessionState`` applies each Step's results locally: block-table deltas into the int32 tensor,
+copy-on-write copies into the mapped pool (``blockd_gpu.copy_blocks``, before the step's
+kernels), and it publishes the fence once the caller says the step's GPU work is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd_client.requests import StepCounter
+from blockd_client.tables import BlockTables
+
+
+@dataclass
+class StepOutcome:
+    """A Step's response plus the fence to publish once its GPU work is done."""
+
+    response: pb.StepResponse
+    fence: int
+
+    @property
+    def results(self) -> Any:
+        return self.response.results
+
+    def ok(self) -> bool:
+        return all(r.status.code == 0 for r in self.response.results)
+
+
+class SessionState:
+    def __init__(self, attach: pb.AttachResponse, pool: Any | None, max_seqs: int,
+                 max_blocks: int, device: Any) -> None:
+        self.attach = attach
+        self.session_id = attach.session_id
+        self.epoch = attach.epoch
+        self.block_size = attach.pool.layout.block_size
+        self.pool = pool
+        self.counter = StepCounter()
+        self.tables = BlockTables(max_seqs, max_blocks, self.block_size, device)
+
+    def request(self, ops: list[pb.Operation]) -> pb.StepRequest:
+        return self.counter.request(self.session_id, self.epoch, ops)
+
+    def apply(self, ops: list[pb.Operation], resp: pb.StepResponse) -> StepOutcome:
+        """Bring the local tables and pool up to date with a Step's results."""
+        tables = self.tables
+        for op, res in zip(ops, resp.results, strict=True):
+            if res.status.code:
+                continue
+            kind = op.WhichOneof("op")
+            if kind == "admit":
+                a = res.admit
+                tables.add(a.sequence_id, list(a.block_table), a.num_tokens)
+            elif kind == "append":
+                d = res.append.delta
+                tables.apply(op.append.sequence_id, d.start_index, list(d.block_ids),
+                             res.append.num_tokens)
+            elif kind == "fork":
+                parent = op.fork.sequence_id
+                blocks = tables.blocks(parent)
+                n = int(tables.lens[tables.row(parent)])
+                for child in res.fork.child_sequence_ids:
+                    tables.add(child, blocks, n)
+            elif kind == "release":
+                tables.remove(op.release.sequence_id)
+        if resp.copies and self.pool is not None:
+            self.copy_blocks([(c.src_block, c.dst_block) for c in resp.copies])
+        return StepOutcome(resp, self.counter.fence)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Run the copy-on-write copies in every shard (all layers, K and V, one launch)."""
+        import torch
+        from blockd_gpu import copy_blocks
+
+        for shard in range(self.pool.tp_size):
+            kv_pool = self.pool.kv_pool(shard)
+            mapping = torch.tensor(pairs, dtype=torch.int64, device=kv_pool.device)
+            copy_blocks(kv_pool, mapping)
+
+    def complete(self, fence: int) -> None:
+        """The step's GPU work is done: publish its fence (read by the daemon's poller)."""
+        if fence > self.counter.completed:
+            self.counter.completed = fence
+            if self.pool is not None:
+                self.pool.publish_fence(fence)

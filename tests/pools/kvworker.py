@@ -1,0 +1,87 @@
+"""A worker process for the cross-process pool tests: ``python kvworker.py MODE ARGS_JSON``.
+
+``write``: attach, admit a prompt, write a deterministic K/V pattern for every prompt position
+into its own mapping of the pool (``reshape_and_cache``), commit, publish the fence, detach.
+``read``: attach, admit the same prompt, and report what its own mapping holds in the hit blocks.
+``hold``: attach, admit, print the table and sleep (to be killed with SIGKILL).
+Prints one JSON line with the results.
+"""
+
+import hashlib
+import json
+import sys
+import time
+
+import blockd_client.requests as rq
+import torch
+from blockd_client import Client
+from blockd_gpu import KvLayout, reshape_and_cache
+
+
+def pattern(layout: KvLayout, tokens: list[int], layer: int, kv: int) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) of each token: a function of token id, position, layer and head."""
+    t = torch.tensor(tokens, dtype=torch.float32)[:, None, None]
+    pos = torch.arange(len(tokens), dtype=torch.float32)[:, None, None]
+    h = torch.arange(layout.num_kv_heads, dtype=torch.float32)[None, :, None]
+    d = torch.arange(layout.head_dim, dtype=torch.float32)[None, None, :]
+    x = torch.sin(t * 0.01 + pos * 0.1 + h * 0.37 + d * 0.05 + layer * 1.3 + kv * 2.1)
+    return x.to(layout.torch_dtype)
+
+
+def block_bytes(kv_pool: torch.Tensor, block: int) -> bytes:
+    return b"".join(kv_pool[layer, kv, block].contiguous().numpy().tobytes()
+                    for layer in range(kv_pool.shape[0]) for kv in range(2))
+
+
+def main() -> None:
+    mode, args = sys.argv[1], json.loads(sys.argv[2])
+    layout = KvLayout(**args["layout"])
+    client = Client(args["target"], token=args["token"])
+    session = client.attach(args["tenant"], layout, worker_name=f"kvworker-{mode}",
+                            lease_ms=args.get("lease_ms", 0))
+    ns = rq.namespace("tiny", model_revision="r1")
+    tokens = args["tokens"]
+    out = session.step([rq.admit(tokens, ns)])
+    res = out.results[0]
+    assert res.status.code == 0, res.status
+    seq = res.admit.sequence_id
+    table = list(res.admit.block_table)
+    kv_pool = session.pool.kv_pool()
+    report = {"epoch": session.epoch, "table": table, "cached": res.admit.num_cached_tokens,
+              "session": session.session_id}
+    if mode == "write":
+        slots = session.tables.slots(seq, 0, len(tokens))
+        for layer, (k_cache, v_cache) in enumerate(session.pool.kv_caches()):
+            reshape_and_cache(pattern(layout, tokens, layer, 0), pattern(layout, tokens, layer, 1),
+                              k_cache, v_cache, slots)
+        session.complete(out.fence)  # prompt K/V written: step 1's work is done
+        commit = session.step([rq.commit(seq)])
+        session.complete(commit.fence)
+        report["committed"] = commit.results[0].commit.num_blocks_committed
+        report["digests"] = [hashlib.sha256(block_bytes(kv_pool, b)).hexdigest()
+                             for b in table]
+        session.step([rq.release(seq)])
+        session.detach()
+    elif mode == "read":
+        hits = res.admit.num_cached_tokens // layout.block_size
+        report["digests"] = [hashlib.sha256(block_bytes(kv_pool, b)).hexdigest()
+                             for b in table[:hits]]
+        # Independently of the writer: the hit blocks hold exactly the pattern for these tokens.
+        ok = True
+        B = layout.block_size
+        for layer in range(layout.num_layers):
+            for kv in range(2):
+                want = pattern(layout, tokens[:hits * B], layer, kv)
+                got = kv_pool[layer, kv, table[:hits]].reshape(hits * B, layout.num_kv_heads,
+                                                               layout.head_dim)
+                ok = ok and torch.equal(got, want)
+        report["pattern_ok"] = ok
+        session.detach()
+    elif mode == "hold":
+        print(json.dumps(report), flush=True)
+        time.sleep(3600)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
