@@ -37,8 +37,9 @@ STATE_NAMES = ("free", "writing", "committed", "pending", "cached")
 NO_OWNER = 0xFFFF
 _NIL = -1
 
-#: ref(4) + pend(4) + state(1) + owner(2) + prev(4) + next(4) + stamp(8).
-BYTES_PER_BLOCK = 27
+#: ref(4) + pend(4) + state(1) + owner(2) + prev(4) + next(4) + stamp(4).
+BYTES_PER_BLOCK = 23
+_STAMP_MASK = 0xFFFFFFFF
 
 
 class BlockAllocator:
@@ -67,8 +68,10 @@ class BlockAllocator:
         #: (a block is on one list at a time, so the two lists share the array).
         self.next = array("i", range(1, n + 1))
         self.next[n - 1] = _NIL
-        #: Logical time the block last became CACHED; orders eviction across tenants.
-        self.stamp = array("q", bytes(8 * n))
+        #: Logical time (mod 2^32) the block last became CACHED; orders eviction across
+        #: tenants by age ``(clock - stamp) mod 2^32``. A block left cached through 2^32 later
+        #: cachings would look young again: an LRU imprecision, never a correctness issue.
+        self.stamp = array("I", bytes(4 * n))
         # The free stack hands out block 0 first: small ids first, like a fresh heap.
         self.free_head = 0
         self.num_free = n
@@ -144,7 +147,7 @@ class BlockAllocator:
         """Make an unreferenced indexed block CACHED at the most-recently-used end."""
         t = self.owner[block]
         self.state[block] = CACHED
-        self._clock += 1
+        self._clock = (self._clock + 1) & _STAMP_MASK
         self.stamp[block] = self._clock
         tail = self.tail[t]
         self.prev[block] = tail
@@ -180,12 +183,15 @@ class BlockAllocator:
         if tenant is not None:
             return self.head[tenant]
         best = _NIL
-        best_stamp = 0
+        best_age = -1
         stamp = self.stamp
+        clock = self._clock
         for b in self.head:
-            if b != _NIL and (best == _NIL or stamp[b] < best_stamp):
-                best = b
-                best_stamp = stamp[b]
+            if b != _NIL:
+                age = (clock - stamp[b]) & _STAMP_MASK
+                if age > best_age:
+                    best = b
+                    best_age = age
         return best
 
     def lru_order(self, tenant: int) -> list[int]:

@@ -46,7 +46,6 @@ class Session:
     #: (fence, kind, payload) in issue order; payload is a list of block ids (RELEASE) or a
     #: CommitBatch (COMMIT).
     waiting: deque[tuple[int, int, object]] = field(default_factory=deque)
-    sequences: set[str] = field(default_factory=set)
 
     def is_complete(self, fence: int) -> bool:
         return fence <= self.completed

@@ -13,9 +13,12 @@ of one Python-level step per earlier block; lookups exploit that (see ``match``,
 docs/decisions.md).
 
 Verification. A key only *finds* a candidate. A hit is accepted only if every block of the
-matched prefix has the request's token ids, the right parent (the block matched just before it,
-none for the first) and the request's namespace id. A forced collision of the hash therefore
-yields a miss, never another prefix's K/V.
+matched prefix has the request's token ids, the request's namespace id, and the right parent:
+the block matched just before it (none for the first) *in the same incarnation* it had when the
+child was indexed. Each block carries a generation, bumped whenever it is indexed; a child
+records its parent's generation. A block id that was evicted and re-indexed with other content
+therefore never vouches for the children of its former self, whose K/V were computed after the
+old content. A forced collision of the hash yields a miss, never another prefix's K/V.
 
 Only COMMITTED/PENDING/CACHED blocks whose commit fence has passed are in the index; the
 BlockManager inserts them when that fence completes.
@@ -31,8 +34,10 @@ import xxhash
 
 NO_PARENT = -1
 
-#: key(8, a pointer shared with the dict's key) + tokens(8) + parent(4) + namespace(4).
-BYTES_PER_BLOCK = 24
+#: key(8, a pointer shared with the dict's key) + tokens(8) + parent(4) + parent's
+#: generation(4) + generation(4) + namespace(4).
+BYTES_PER_BLOCK = 32
+_GEN_MASK = 0xFFFFFFFF
 
 HashFactory = Callable[[int], "xxhash.xxh3_128"]
 
@@ -55,6 +60,10 @@ class PrefixIndex:
         self.tokens: list[bytes | None] = [None] * num_blocks
         #: Block matched just before this one in its prefix, NO_PARENT for a first block.
         self.parent = array("i", [NO_PARENT]) * num_blocks
+        #: Times the block was indexed (mod 2^32): its incarnation.
+        self.gen = array("I", bytes(4 * num_blocks))
+        #: The parent's generation when this block was indexed.
+        self.parent_gen = array("I", bytes(4 * num_blocks))
         #: Interned namespace id (0: not indexed).
         self.ns = array("I", bytes(4 * num_blocks))
 
@@ -138,6 +147,10 @@ class PrefixIndex:
             b = parent[b]
         if b != NO_PARENT:
             return None
+        # Each parent must still be the incarnation its child was computed after.
+        if (n > 1 and list(map(self.parent_gen.__getitem__, blocks[1:]))
+                != list(map(self.gen.__getitem__, blocks[:-1]))):
+            return None
         chunks = list(map(self.tokens.__getitem__, blocks))
         if None in chunks:  # a block on the walk is no longer indexed
             return None
@@ -160,7 +173,7 @@ class PrefixIndex:
         expect = NO_PARENT
         for i, key in enumerate(keys):
             b = self.map.get(key)
-            if (b is None or self.parent[b] != expect or self.ns[b] != ns_id
+            if (b is None or not self.is_child(b, expect) or self.ns[b] != ns_id
                     or not eq(self.tokens[b], token_bytes[i * step:(i + 1) * step])):
                 break
             out.append(b)
@@ -177,6 +190,8 @@ class PrefixIndex:
         self.key[block] = key
         self.tokens[block] = chunk
         self.parent[block] = parent
+        self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
+        self.parent_gen[block] = self.gen[parent] if parent >= 0 else 0
         self.ns[block] = ns_id
         return True
 
@@ -194,6 +209,12 @@ class PrefixIndex:
 
     def is_indexed(self, block: int) -> bool:
         return self.key[block] is not None
+
+    def is_child(self, block: int, parent: int) -> bool:
+        """Whether ``block`` was indexed after exactly this incarnation of ``parent``."""
+        if self.parent[block] != parent:
+            return False
+        return parent < 0 or self.parent_gen[block] == self.gen[parent]
 
     def __len__(self) -> int:
         return len(self.map)
