@@ -338,39 +338,51 @@ class BlockManager:
                                   field="token_ids")
         B = self.block_size
         ref = self.alloc.ref
-        seqs = self.sequences
+        get = self.sequences.get
         sid = session.id
         out = BatchAppend([0] * n)
         num_tokens = out.num_tokens
-        off = 0
-        for i in range(n):
-            c = 1 if counts is None else counts[i]
-            raw = token_bytes[off:off + 4 * c]
-            off += 4 * c
-            seq = seqs.get(seq_ids[i])
-            if seq is None or seq.session != sid:
-                out.errors.append((i, NotFound("unknown sequence", field="sequence_id")
-                                   if seq is None else PermissionDenied(
-                                       "the sequence belongs to another session",
-                                       field="sequence_id")))
-                continue
-            old = seq.num_tokens
-            table = seq.table
-            if old % B and old + c <= len(table) * B and ref[table[-1]] == 1:
-                # Fits in the sequence's own, unshared last block: nothing to allocate.
-                if seq.cache:
-                    seq.tokens += raw
-                seq.num_tokens = num_tokens[i] = old + c
-                continue
-            res = self._append(session, seq, raw, fence)
-            if isinstance(res, DoesNotFit):
-                out.errors.append((i, res))
-                continue
-            num_tokens[i] = res.num_tokens
-            out.deltas.append((i, res))
+        if counts is None:
+            # Decode: one token each. A sequence whose last block has room and is not shared
+            # writes in place: the hot path touches nothing but the sequence.
+            for i, seq_id in enumerate(seq_ids):
+                seq = get(seq_id)
+                if seq is not None and seq.session == sid:
+                    old = seq.num_tokens
+                    if old % B and ref[seq.table[-1]] == 1:
+                        if seq.cache:
+                            seq.tokens += token_bytes[4 * i:4 * i + 4]
+                        seq.num_tokens = num_tokens[i] = old + 1
+                        continue
+                self._append_entry(session, seq, i, token_bytes[4 * i:4 * i + 4], fence, out)
+        else:
+            off = 0
+            for i, seq_id in enumerate(seq_ids):
+                c = counts[i]
+                self._append_entry(session, get(seq_id), i, token_bytes[off:off + 4 * c],
+                                   fence, out)
+                off += 4 * c
         if len(out.errors) < n:
             session.issued = max(session.issued, fence)
         return out
+
+    def _append_entry(self, session: Session, seq: Sequence | None, i: int, raw: bytes,
+                      fence: int, out: BatchAppend) -> None:
+        """One entry of ``append_batch`` through the general path."""
+        if seq is None:
+            out.errors.append((i, NotFound("unknown sequence", field="sequence_id")))
+            return
+        if seq.session != session.id:
+            out.errors.append((i, PermissionDenied("the sequence belongs to another session",
+                                                   field="sequence_id")))
+            return
+        res = self._append(session, seq, raw, fence)
+        if isinstance(res, DoesNotFit):
+            out.errors.append((i, res))
+            return
+        out.num_tokens[i] = res.num_tokens
+        if res.block_ids or res.copy is not None:
+            out.deltas.append((i, res))
 
     def _append(self, session: Session, seq: Sequence, raw: bytes, fence: int
                 ) -> AppendResult | DoesNotFit:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from array import array
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -170,7 +171,9 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             kind = op.WhichOneof("op")
             result = results.add()
             try:
-                if kind == "append":
+                if kind == "append_batch":
+                    self._append_batch(sid, i, op.append_batch, req.fence, result, copies)
+                elif kind == "append":
                     self._append(sid, op.append, req.fence, result, copies)
                 elif kind == "admit":
                     self._admit(sid, op.admit, result)
@@ -221,6 +224,36 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         r.num_tokens = out.num_tokens
         if out.copy is not None:
             copies.add(src_block=out.copy.src, dst_block=out.copy.dst)
+
+    def _append_batch(self, sid: str, index: int, op: pb.AppendBatchOp, fence: int,
+                      result: pb.OperationResult, copies: Any) -> None:
+        ids = list(op.sequence_ids)
+        limit = self.d.cfg.server.max_operations_per_step
+        if not ids or len(ids) > limit:
+            raise InvalidArgument(f"needs 1..{limit} sequence ids", field="sequence_ids")
+        counts = list(op.num_tokens) or None
+        raw = array("I", self._tokens(op.token_ids, "token_ids")).tobytes()
+        out = self.m.append_batch(sid, ids, raw, counts, fence)
+        r = result.append_batch
+        r.num_tokens.extend(out.num_tokens)
+        for i, res in out.deltas:
+            d = r.deltas.add(index=i).delta
+            d.start_index = res.start_index
+            d.block_ids.extend(res.block_ids)
+            if res.copy is not None:
+                copies.add(src_block=res.copy.src, dst_block=res.copy.dst)
+        prefix = f"operations[{index}].append_batch."
+        for i, err in out.errors:
+            st = r.errors.add(index=i).status
+            if isinstance(err, DoesNotFit):
+                st.code = StatusCode.RESOURCE_EXHAUSTED
+                st.message = f"does not fit ({err.reason}): needs {err.needed} blocks"
+                st.field = err.reason
+            else:
+                st.code = err.status
+                st.message = err.message
+                st.field = f"{prefix}sequence_ids[{i}]"
+            self.metrics.op_errors[StatusCode(st.code).name] += 1
 
     def _admit(self, sid: str, op: pb.AdmitOp, result: pb.OperationResult) -> None:
         convert.check_id(op.request_id, "request_id", required=False)

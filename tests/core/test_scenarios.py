@@ -180,3 +180,46 @@ def test_commit_of_a_dead_worker_is_never_indexed() -> None:
     assert m.lookup(s2, SCOPE, [1, 2, 3, 4, 5]) == 0
     assert m.state_counts()["free"] == 4
     m.check_invariants()
+
+
+def test_append_batch_matches_single_appends() -> None:
+    """The batched decode path gives exactly what one append per sequence gives."""
+
+    def run(batched: bool):  # type: ignore[no-untyped-def]
+        m = manager(num_blocks=9)
+        s = m.open_session("acme").id
+        a = m.admit(s, SCOPE, [1, 2, 3])  # room in its last block
+        b = m.admit(s, SCOPE, [4, 5, 6, 7])  # full last block: needs a new one
+        (c,) = m.fork(s, a.seq_id)  # shares a's partial block: copy-on-write
+        ids = [a.seq_id, b.seq_id, c, "ghost"]
+        tokens = [[10], [11, 12], [13], [14]]
+        if batched:
+            raw = b"".join(t.to_bytes(4, "little") for ts in tokens for t in ts)
+            out = m.append_batch(s, ids, raw, [1, 2, 1, 1], fence=1)
+            results = dict(out.deltas)
+            errors = dict(out.errors)
+            nums = out.num_tokens
+        else:
+            results, errors, nums = {}, {}, []
+            for i, (sid, ts) in enumerate(zip(ids, tokens, strict=True)):
+                try:
+                    r = m.append(s, sid, ts, fence=1)
+                except Exception as exc:  # noqa: BLE001 - compared below
+                    errors[i] = exc
+                    nums.append(0)
+                    continue
+                nums.append(r.num_tokens)
+                if r.block_ids:
+                    results[i] = r
+        m.check_invariants()
+        return ([m.block_table(s, x) for x in ids[:3]], nums,
+                {i: (r.start_index, r.block_ids, r.copy) for i, r in results.items()},
+                {i: type(e).__name__ for i, e in errors.items()}, m.counters.cow_copies)
+
+    single, batched = run(False), run(True)
+    assert batched == single
+    tables, nums, deltas, errors, cows = batched
+    assert nums == [4, 6, 4, 0]
+    # a copies the block it shares with c; c, then its only holder, writes in place.
+    assert set(deltas) == {0, 1} and deltas[0][2] is not None
+    assert errors == {3: "NotFound"} and cows == 1

@@ -151,3 +151,29 @@ def test_watch_events_streams_stored_and_removed(daemon) -> None:  # type: ignor
     calls.cancel()
     with pytest.raises(grpc.RpcError):
         next(calls)
+
+
+def test_append_batch_is_many_appends_in_one(daemon) -> None:  # type: ignore[no-untyped-def]
+    w = Worker(daemon.stub("unix"), "alice", "acme")
+    seqs = [w.admit([7000 + i, 1, 2]).sequence_id for i in range(5)]
+    ids = seqs + ["no-such-seq"]
+    r = w.step(pb.Operation(append_batch=pb.AppendBatchOp(
+        sequence_ids=ids, num_tokens=[1, 1, 2, 1, 5, 1], token_ids=list(range(11)))))
+    res = r.results[0]
+    assert res.status.code == 0
+    ab = res.append_batch
+    assert list(ab.num_tokens) == [4, 4, 5, 4, 8, 0]
+    assert [(d.index, d.delta.start_index, len(d.delta.block_ids)) for d in ab.deltas] == [
+        (2, 1, 1), (4, 1, 1)]
+    assert [(e.index, e.status.code, e.status.field) for e in ab.errors] == [
+        (5, 5, "operations[0].append_batch.sequence_ids[5]")]
+    for s, n in zip(seqs, [4, 4, 5, 4, 8], strict=True):
+        t = w.stub.GetBlockTable(pb.GetBlockTableRequest(session_id=w.sid, sequence_id=s),
+                                 metadata=md("alice"))
+        assert t.num_tokens == n and len(t.block_ids) == -(-n // 4)
+    # Counts that do not add up to the tokens: the whole op fails, nothing applied.
+    r = w.step(pb.Operation(append_batch=pb.AppendBatchOp(sequence_ids=seqs, token_ids=[1])))
+    assert r.results[0].status.code == 3
+    assert r.results[0].status.field == "operations[0].append_batch.token_ids"
+    for s in seqs:
+        w.step(pb.Operation(release=pb.ReleaseOp(sequence_id=s)))

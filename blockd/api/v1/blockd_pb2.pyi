@@ -187,18 +187,20 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., fence: _Optional[int] = ..., completed_fence: _Optional[int] = ..., operations: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("admit", "append", "fork", "release", "commit")
+    __slots__ = ("admit", "append", "fork", "release", "commit", "append_batch")
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BATCH_FIELD_NUMBER: _ClassVar[int]
     admit: AdmitOp
     append: AppendOp
     fork: ForkOp
     release: ReleaseOp
     commit: CommitOp
-    def __init__(self, admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., append: _Optional[_Union[AppendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ...) -> None: ...
+    append_batch: AppendBatchOp
+    def __init__(self, admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., append: _Optional[_Union[AppendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchOp, _Mapping]] = ...) -> None: ...
 
 class AdmitOp(_message.Message):
     __slots__ = ("request_id", "namespace", "token_ids", "priority", "disable_prefix_cache")
@@ -221,6 +223,16 @@ class AppendOp(_message.Message):
     sequence_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AppendBatchOp(_message.Message):
+    __slots__ = ("sequence_ids", "num_tokens", "token_ids")
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForkOp(_message.Message):
     __slots__ = ("sequence_id", "num_children")
@@ -275,20 +287,22 @@ class OperationStatus(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("status", "admit", "append", "fork", "release", "commit")
+    __slots__ = ("status", "admit", "append", "fork", "release", "commit", "append_batch")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BATCH_FIELD_NUMBER: _ClassVar[int]
     status: OperationStatus
     admit: AdmitResult
     append: AppendResult
     fork: ForkResult
     release: ReleaseResult
     commit: CommitResult
-    def __init__(self, status: _Optional[_Union[OperationStatus, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., append: _Optional[_Union[AppendResult, _Mapping]] = ..., fork: _Optional[_Union[ForkResult, _Mapping]] = ..., release: _Optional[_Union[ReleaseResult, _Mapping]] = ..., commit: _Optional[_Union[CommitResult, _Mapping]] = ...) -> None: ...
+    append_batch: AppendBatchResult
+    def __init__(self, status: _Optional[_Union[OperationStatus, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., append: _Optional[_Union[AppendResult, _Mapping]] = ..., fork: _Optional[_Union[ForkResult, _Mapping]] = ..., release: _Optional[_Union[ReleaseResult, _Mapping]] = ..., commit: _Optional[_Union[CommitResult, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchResult, _Mapping]] = ...) -> None: ...
 
 class AdmitResult(_message.Message):
     __slots__ = ("sequence_id", "request_id", "num_cached_tokens", "block_table", "num_tokens")
@@ -321,6 +335,32 @@ class AppendResult(_message.Message):
     delta: BlockTableDelta
     num_tokens: int
     def __init__(self, sequence_id: _Optional[str] = ..., delta: _Optional[_Union[BlockTableDelta, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AppendBatchResult(_message.Message):
+    __slots__ = ("num_tokens", "deltas", "errors")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[IndexedDelta]
+    errors: _containers.RepeatedCompositeFieldContainer[IndexedStatus]
+    def __init__(self, num_tokens: _Optional[_Iterable[int]] = ..., deltas: _Optional[_Iterable[_Union[IndexedDelta, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[IndexedStatus, _Mapping]]] = ...) -> None: ...
+
+class IndexedDelta(_message.Message):
+    __slots__ = ("index", "delta")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    delta: BlockTableDelta
+    def __init__(self, index: _Optional[int] = ..., delta: _Optional[_Union[BlockTableDelta, _Mapping]] = ...) -> None: ...
+
+class IndexedStatus(_message.Message):
+    __slots__ = ("index", "status")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    status: OperationStatus
+    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[OperationStatus, _Mapping]] = ...) -> None: ...
 
 class ForkResult(_message.Message):
     __slots__ = ("child_sequence_ids",)
