@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from array import array
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
