@@ -45,6 +45,14 @@ def append(seq_id: str, tokens: Sequence[int]) -> pb.Operation:
     return pb.Operation(append=pb.AppendOp(sequence_id=seq_id, token_ids=tokens))
 
 
+def append_batch(seq_ids: Sequence[str], tokens: Sequence[int],
+                 counts: Sequence[int] | None = None) -> pb.Operation:
+    """One packed append for many sequences: ``tokens`` concatenated in ``seq_ids`` order,
+    ``counts`` per sequence (None: one token each, a decode step)."""
+    return pb.Operation(append_batch=pb.AppendBatchOp(sequence_ids=seq_ids, token_ids=tokens,
+                                                      num_tokens=counts or ()))
+
+
 def fork(seq_id: str, num_children: int = 1) -> pb.Operation:
     return pb.Operation(fork=pb.ForkOp(sequence_id=seq_id, num_children=num_children))
 

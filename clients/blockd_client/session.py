@@ -58,6 +58,19 @@ class SessionState:
                 d = res.append.delta
                 tables.apply(op.append.sequence_id, d.start_index, list(d.block_ids),
                              res.append.num_tokens)
+            elif kind == "append_batch":
+                ids = op.append_batch.sequence_ids
+                ab = res.append_batch
+                changed = {e.index: e.delta for e in ab.deltas}
+                failed = {e.index for e in ab.errors}
+                for i, n in enumerate(ab.num_tokens):
+                    if i in failed:
+                        continue
+                    d = changed.get(i)
+                    if d is None:
+                        tables.set_len(ids[i], n)
+                    else:
+                        tables.apply(ids[i], d.start_index, list(d.block_ids), n)
             elif kind == "fork":
                 parent = op.fork.sequence_id
                 blocks = tables.blocks(parent)

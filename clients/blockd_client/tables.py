@@ -51,6 +51,10 @@ class BlockTables:
                                                                         dtype=torch.int32)
         self.lens[r] = num_tokens
 
+    def set_len(self, seq_id: str, num_tokens: int) -> None:
+        """A token count change that left the table as it was."""
+        self.lens[self._rows[seq_id]] = num_tokens
+
     def remove(self, seq_id: str) -> None:
         r = self._rows.pop(seq_id)
         del self._host[seq_id]

@@ -208,3 +208,30 @@ def test_heartbeat_with_a_stale_epoch_is_failed_precondition(daemon) -> None:  #
                               metadata=ca.metadata)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         s.detach()
+
+
+def test_client_tables_follow_append_batch_and_copy_on_write(daemon) -> None:  # type: ignore[no-untyped-def]
+    with client(daemon, "alice") as ca:
+        s = ca.attach("acme", LAYOUT)
+        out = s.step([rq.admit([1, 2, 3], NS, cache=False), rq.admit([4, 5, 6, 7], NS,
+                                                                     cache=False)])
+        a, b = (r.admit.sequence_id for r in out.results)
+        fork = s.step([rq.fork(a)])
+        (c,) = fork.results[0].fork.child_sequence_ids
+        pool = s.pool.kv_pool()
+        src = s.tables.blocks(a)[0]
+        pool[:, :, src] = 3.0  # a's partial block, shared with c
+        out = s.step([rq.append_batch([a, b, c], [8, 9, 10])])
+        assert out.ok()
+        # a's write into the shared block went through copy-on-write, done by the client.
+        assert len(out.response.copies) == 1
+        dst = s.tables.blocks(a)[0]
+        assert dst != src and torch.all(pool[:, :, dst] == 3.0)
+        for seq in (a, b, c):
+            server = s.block_table(seq)
+            assert s.tables.blocks(seq) == list(server.block_ids)
+            assert int(s.tables.lens[s.tables.row(seq)]) == server.num_tokens
+            assert s.tables.slots(seq, 0, server.num_tokens).tolist() == [
+                server.block_ids[p // 4] * 4 + p % 4 for p in range(server.num_tokens)]
+        s.step([rq.release(a), rq.release(b), rq.release(c)])
+        s.detach()
