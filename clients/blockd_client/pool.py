@@ -50,6 +50,7 @@ class PoolView:
 
     def __init__(self, handle_socket: str, session_id: str) -> None:
         import torch
+
         from blockd_gpu.layout import KvLayout
 
         header, fds = fetch_handles(handle_socket, session_id)

@@ -86,6 +86,7 @@ class SessionState:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Run the copy-on-write copies in every shard (all layers, K and V, one launch)."""
         import torch
+
         from blockd_gpu import copy_blocks
 
         for shard in range(self.pool.tp_size):

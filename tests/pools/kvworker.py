@@ -12,8 +12,9 @@ import json
 import sys
 import time
 
-import blockd_client.requests as rq
 import torch
+
+import blockd_client.requests as rq
 from blockd_client import Client
 from blockd_gpu import KvLayout, reshape_and_cache
 

@@ -8,15 +8,15 @@ import sys
 import time
 from pathlib import Path
 
-import blockd_client.requests as rq
 import grpc
 import pytest
 import torch
-from blockd_client import BlockdError, Client, EpochChanged
-from blockd_gpu import KvLayout
 from daemon_proc import TOKENS, start
 
+import blockd_client.requests as rq
 from blockd.api.v1 import blockd_pb2 as pb
+from blockd_client import BlockdError, Client, EpochChanged
+from blockd_gpu import KvLayout
 
 WORKER = str(Path(__file__).resolve().parent / "kvworker.py")
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
