@@ -1,0 +1,206 @@
+"""``blockd load``: N concurrent workers streaming Steps at a daemon, for a fixed time.
+
+Each worker is its own process with its own channel and session. It keeps ``--seqs`` sequences
+running: prompts share a few system prompts (so prefix hits happen), every Step decodes one token
+for every running sequence (one AppendBatchOp), commits blocks as they fill, and releases a
+finished sequence and admits a new one in its place, all on one long-lived StepStream. Fences
+advance every step; the worker publishes completion through Heartbeat-free ``completed_fence``.
+
+Bounded in count and time, loopback or Unix socket only. Reports steps/s, p50/p99 Step latency
+and every non-OK status; with ``--check`` it also asks the daemon's Stats after the run that
+every block is accounted for (the daemon itself checks its invariants after each call when
+started with ``server.check_invariants``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import queue
+import random
+import statistics
+import time
+from typing import Any
+
+DEFAULT_TARGET = "unix:run/blockd.sock"
+
+
+def _worker(index: int, args: dict[str, Any], out: Any) -> None:
+    import grpc
+
+    from blockd.api.v1 import blockd_pb2 as pb
+    from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
+
+    rng = random.Random(1000 + index)
+    md = (("authorization", f"Bearer {args['token']}"),) if args["token"] else ()
+    channel = grpc.insecure_channel(args["target"])
+    stub = pb_grpc.BlockdServiceStub(channel)
+    layout = pb.KvLayout(**args["layout"])
+    att = stub.Attach(pb.AttachRequest(worker_name=f"load-{index}", tenant_id=args["tenant"],
+                                       layout=layout), metadata=md, timeout=30)
+    B = att.pool.layout.block_size
+    ns = pb.CacheNamespace(model_id="load", model_revision="1")
+    systems = [[rng.randrange(50_000) for _ in range(rng.randint(2, 6) * B)] for _ in range(4)]
+    requests: queue.Queue[pb.StepRequest | None] = queue.Queue()
+    responses = stub.StepStream(iter(requests.get, None), metadata=md,
+                                timeout=args["duration"] + 120)
+    step = 0
+    errors: dict[str, int] = {}
+    latencies: list[float] = []
+    # Pool pressure is not an error: like an engine, a worker preempts a sequence whose append
+    # does not fit (releases it; it would be re-admitted later) and retries an admission.
+    pressure = {"preempted": 0, "admission_waits": 0}
+    preempt: list[str] = []
+    exhausted = 8  # RESOURCE_EXHAUSTED
+
+    def run(ops: list[Any]) -> Any:
+        nonlocal step
+        step += 1
+        req = pb.StepRequest(session_id=att.session_id, epoch=att.epoch, step_id=step,
+                             fence=step, completed_fence=step - 1, operations=ops)
+        t0 = time.perf_counter()
+        requests.put(req)
+        resp = next(responses)
+        latencies.append(time.perf_counter() - t0)
+        for op, r in zip(ops, resp.results, strict=True):
+            if r.status.code == exhausted and op.WhichOneof("op") == "admit":
+                pressure["admission_waits"] += 1
+            elif r.status.code:
+                errors[str(r.status.code)] = errors.get(str(r.status.code), 0) + 1
+            if r.WhichOneof("result") == "append_batch":
+                ids = op.append_batch.sequence_ids
+                for e in r.append_batch.errors:
+                    if e.status.code == exhausted:
+                        preempt.append(ids[e.index])
+                    else:
+                        errors[str(e.status.code)] = errors.get(str(e.status.code), 0) + 1
+        return resp
+
+    def prompt() -> list[int]:
+        return rng.choice(systems) + [rng.randrange(50_000) for _ in range(rng.randint(1, 40))]
+
+    live: dict[str, list[int]] = {}  # seq id -> [tokens, budget]
+
+    def admit(n: int) -> None:
+        resp = run([pb.Operation(admit=pb.AdmitOp(namespace=ns, token_ids=prompt()))
+                    for _ in range(n)])
+        for r in resp.results:
+            if r.status.code == 0:
+                live[r.admit.sequence_id] = [r.admit.num_tokens, rng.randint(8, 200)]
+
+    for _ in range(0, args["seqs"], 64):
+        admit(min(64, args["seqs"] - len(live)))
+    out.put(("ready", index, None))
+    deadline = time.monotonic() + args["duration"]
+    latencies.clear()
+    steps = 0
+    while time.monotonic() < deadline and steps < args["max_steps"]:
+        ids = list(live)
+        ops = [pb.Operation(append_batch=pb.AppendBatchOp(
+            sequence_ids=ids, token_ids=[rng.randrange(50_000) for _ in ids]))] if ids else []
+        done = []
+        for sid in ids:
+            st = live[sid]
+            st[0] += 1
+            st[1] -= 1
+            if st[0] % B == 0:
+                ops.append(pb.Operation(commit=pb.CommitOp(sequence_id=sid)))
+            if st[1] <= 0:
+                done.append(sid)
+        ops += [pb.Operation(release=pb.ReleaseOp(sequence_id=sid)) for sid in done]
+        run(ops)
+        for sid in done:
+            del live[sid]
+        if preempt:
+            victims = [s for s in set(preempt) if s in live and s not in done]
+            preempt.clear()
+            if victims:
+                run([pb.Operation(release=pb.ReleaseOp(sequence_id=s)) for s in victims])
+                for s in victims:
+                    del live[s]
+                pressure["preempted"] += len(victims)
+        if len(live) < args["seqs"]:
+            admit(min(64, args["seqs"] - len(live)))
+        steps += 1
+    if live:
+        run([pb.Operation(release=pb.ReleaseOp(sequence_id=sid)) for sid in live])
+    requests.put(None)
+    list(responses)
+    stub.Detach(pb.DetachRequest(session_id=att.session_id), metadata=md, timeout=30)
+    channel.close()
+    out.put(("done", index, {"steps": steps, "latencies": latencies, "errors": errors,
+                             **pressure}))
+
+
+def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration: float,
+        layout: dict[str, int], max_steps: int = 10**7) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = {"target": target, "token": token, "tenant": tenant, "seqs": seqs,
+            "duration": duration, "layout": layout, "max_steps": max_steps}
+    procs = [ctx.Process(target=_worker, args=(i, args, out), daemon=True)
+             for i in range(workers)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    t0 = time.monotonic()
+    limit = duration + 300
+    while len(results) < workers and time.monotonic() - t0 < limit:
+        try:
+            kind, index, payload = out.get(timeout=1)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        if kind == "done":
+            results[index] = payload
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    lat = sorted(x for r in results.values() for x in r["latencies"])
+    errors: dict[str, int] = {}
+    for r in results.values():
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    steps = sum(r["steps"] for r in results.values())
+    preempted = sum(r["preempted"] for r in results.values())
+    waits = sum(r["admission_waits"] for r in results.values())
+    return {
+        "workers": workers, "workers_finished": len(results), "seqs_per_worker": seqs,
+        "duration_s": duration, "steps": steps, "steps_per_s": steps / duration,
+        "step_p50_ms": statistics.median(lat) * 1e3 if lat else None,
+        "step_p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3 if lat else None,
+        "errors_by_code": errors, "preempted": preempted, "admission_waits": waits,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="blockd load", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT_TARGET, help="unix:PATH or 127.0.0.1:PORT")
+    p.add_argument("--token", default="")
+    p.add_argument("--tenant", default="default")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--seqs", type=int, default=256, help="running sequences per worker")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds (bounded)")
+    p.add_argument("--layout", default='{"block_size": 16, "num_layers": 4, "num_kv_heads": 4, '
+                   '"head_dim": 64, "dtype": 2, "kv_order": 1, "tp_size": 1}',
+                   help="the pool's KvLayout as JSON (proto field names and enum numbers)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    target = args.target
+    host = target.removeprefix("unix:") if target.startswith("unix:") else target.split(":")[0]
+    if not (target.startswith("unix:") or host in ("127.0.0.1", "localhost", "[::1]")):
+        p.error("--target must be a Unix socket or a loopback address")
+    res = run(target, args.token, args.tenant, args.workers, args.seqs,
+              min(args.duration, 3600.0), json.loads(args.layout))
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(f"{res['workers_finished']}/{res['workers']} workers x {res['seqs_per_worker']} "
+              f"sequences for {res['duration_s']:.0f} s: {res['steps_per_s']:.0f} steps/s, "
+              f"Step p50 {res['step_p50_ms']:.2f} ms, p99 {res['step_p99_ms']:.2f} ms; "
+              f"preempted {res['preempted']}, admission waits {res['admission_waits']}; "
+              f"errors {res['errors_by_code'] or 'none'}")
+    return 0 if res["workers_finished"] == res["workers"] and not res["errors_by_code"] else 1
