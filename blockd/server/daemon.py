@@ -10,6 +10,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config
@@ -24,6 +25,9 @@ from blockd.core.manager import BlockManager
 from blockd.core.spec import PoolSpec
 from blockd.pools.fences import PAGE_BYTES, FencePage
 from blockd.pools.host import HostPool
+
+if TYPE_CHECKING:
+    from blockd.pools.cuda import CudaPool
 from blockd.server import tenants_file
 from blockd.server.events import EventLog
 from blockd.server.tenants_file import Principal, TenantsFile
@@ -60,9 +64,9 @@ class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.spec = pool_spec(cfg)
-        if cfg.pool.backend != "host":
+        if cfg.pool.backend not in ("host", "cuda"):
             raise FailedPrecondition(
-                f"pool backend {cfg.pool.backend!r} is not available in this build; use 'host'",
+                f"pool backend {cfg.pool.backend!r} is unknown; use 'host' or 'cuda'",
                 field="pool.backend")
         self.tenants = self._load_tenants()
         self.events = EventLog(block_size=self.spec.block_size)
@@ -70,7 +74,15 @@ class Daemon:
                                     enable_prefix_cache=cfg.cache.enable_prefix_cache,
                                     scrub_always=cfg.cache.scrub_always,
                                     on_event=self.events.on_core_event)
-        self.pool = HostPool(self.spec, prefault=cfg.pool.prefault)
+        self.pool: HostPool | CudaPool
+        if cfg.pool.backend == "cuda":
+            # Imported here: CPU installs never load cuda-python. CudaPool refuses with the
+            # reason (no driver, no device, no VMM) as FAILED_PRECONDITION on pool.backend.
+            from blockd.pools.cuda import CudaPool
+
+            self.pool = CudaPool(self.spec, prefault=cfg.pool.prefault)
+        else:
+            self.pool = HostPool(self.spec, prefault=cfg.pool.prefault)
         #: This incarnation of the pool (>= 1): block ids of another epoch mean nothing here.
         self.epoch = int.from_bytes(os.urandom(6), "little") | 1
         self.sessions: dict[str, SessionInfo] = {}
@@ -198,7 +210,12 @@ class Daemon:
             "head_dim": spec.head_dim, "dtype": spec.dtype, "tp_size": spec.tp_size,
             "fence_page_bytes": PAGE_BYTES,
         }
-        return header, [self.pool.fd, info.fence_page.fd]
+        if self.pool.backend == "cuda":
+            # One exported VMM handle per tensor-parallel shard, in device order, then the
+            # fence page (see blockd_client.cuda_view).
+            header.update(self.pool.header())  # type: ignore[union-attr]
+            return header, [*self.pool.fds, info.fence_page.fd]  # type: ignore[union-attr]
+        return header, [self.pool.fd, info.fence_page.fd]  # type: ignore[union-attr]
 
     def note_fences(self, info: SessionInfo, fence: int) -> None:
         """Track when fences were announced (for the oldest-pending-fence age metric)."""

@@ -95,7 +95,8 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             pool=pb.PoolInfo(layout=convert.layout_of(self.d.spec),
                              num_blocks=self.d.spec.num_blocks,
                              block_bytes=self.d.spec.block_bytes,
-                             backend=pb.POOL_BACKEND_HOST_SHM,
+                             backend=(pb.POOL_BACKEND_CUDA_VMM if self.d.pool.backend == "cuda"
+                                      else pb.POOL_BACKEND_HOST_SHM),
                              handle_socket_path=self.d.cfg.server.handle_socket),
             tenant_id=info.tenant_id,
             sharing_domain_kind=getattr(pb, f"SHARING_DOMAIN_KIND_{policy.sharing.name}"),

@@ -47,9 +47,9 @@ class AsyncClient:
         resp = await self.call(self.stub.Attach, req)
         pool = None
         if map_pool:
-            from blockd_client.pool import PoolView
+            from blockd_client.pool import open_pool
 
-            pool = await asyncio.to_thread(PoolView, resp.pool.handle_socket_path,
+            pool = await asyncio.to_thread(open_pool, resp.pool.handle_socket_path,
                                            resp.session_id)
         return AsyncSession(self, SessionState(resp, pool, max_seqs, max_blocks, device))
 

@@ -100,9 +100,9 @@ class Session:
         resp = self.client.call(self.client.stub.Attach, req)
         pool = None
         if self._map_pool:
-            from blockd_client.pool import PoolView
+            from blockd_client.pool import open_pool
 
-            pool = PoolView(resp.pool.handle_socket_path, resp.session_id)
+            pool = open_pool(resp.pool.handle_socket_path, resp.session_id)
         return SessionState(resp, pool, *self._sizes)
 
     @property

@@ -22,6 +22,17 @@ import weakref
 from typing import Any
 
 _U64 = struct.Struct("<Q")
+MAX_FDS = 65
+
+
+def open_pool(handle_socket: str, session_id: str) -> Any:
+    """Fetch a session's descriptors and map the pool with the view its backend needs."""
+    header, fds = fetch_handles(handle_socket, session_id)
+    if header.get("backend") == "cuda":
+        from blockd_client.cuda_view import CudaPoolView
+
+        return CudaPoolView(header, fds)
+    return PoolView(header, fds)
 
 
 def fetch_handles(path: str, session_id: str, timeout: float = 10.0
@@ -31,7 +42,8 @@ def fetch_handles(path: str, session_id: str, timeout: float = 10.0
         s.settimeout(timeout)
         s.connect(path)
         s.sendall(json.dumps({"session_id": session_id}).encode() + b"\n")
-        buf, fds, _flags, _addr = socket.recv_fds(s, 65536, 8)
+        # One fd per tensor-parallel shard (CUDA) plus the fence page.
+        buf, fds, _flags, _addr = socket.recv_fds(s, 65536, MAX_FDS)
         while not buf.endswith(b"\n"):
             more = s.recv(65536)
             if not more:
@@ -48,14 +60,16 @@ def fetch_handles(path: str, session_id: str, timeout: float = 10.0
 class PoolView:
     """A mapped host pool plus this session's fence page."""
 
-    def __init__(self, handle_socket: str, session_id: str) -> None:
+    def __init__(self, header: dict[str, Any], fds: list[int]) -> None:
+        """Map a host pool from the handle server's header and descriptors (closes the fds)."""
         import torch
 
         from blockd_gpu.layout import KvLayout
 
-        header, fds = fetch_handles(handle_socket, session_id)
-        pool_fd, fence_fd = fds[0], fds[1]
         try:
+            if len(fds) != 2:
+                raise ConnectionError(f"expected 2 descriptors (pool, fence page), got {len(fds)}")
+            pool_fd, fence_fd = fds[0], fds[1]
             if header["backend"] != "host":
                 raise ConnectionError(f"pool backend {header['backend']!r} needs the CUDA view")
             self.header = header

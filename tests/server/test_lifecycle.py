@@ -129,3 +129,21 @@ def test_metrics_follow_the_workload(tmp_path) -> None:  # type: ignore[no-untyp
         assert metric(d, "blockd_tail_waste_tokens") == (4 * 4 - 13) + 3 * (4 * 4 - 14)
     finally:
         d.stop()
+
+
+def test_cuda_pool_without_a_gpu_is_refused_with_the_reason(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from blockd.pools.cuda import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        pytest.skip("a CUDA device is usable here: the refusal path cannot be shown")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "blockd", "serve", "--pool-backend", "cuda",
+                          "--server-unix-socket", str(tmp_path / "s.sock"),
+                          "--server-tcp-address", "", "--metrics-address", "",
+                          "--server-handle-socket", str(tmp_path / "h.sock")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "pool.backend" in out.stderr and "cuda pool unavailable" in out.stderr

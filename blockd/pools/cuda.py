@@ -1,0 +1,464 @@
+"""The CUDA pool: one CUDA VMM allocation per tensor-parallel shard, shared by file descriptor.
+
+Layout of one shard (documented once in ``blockd_gpu.layout``): a stacked tensor
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype`` on that shard's
+device. Unlike the host pool (all shards in one memfd), every shard is its own allocation on its
+own device, so a block is ``2 * num_layers`` contiguous runs of
+``block_size * num_kv_heads * head_dim`` elements *per shard*; all shards share one block id.
+
+Per shard the daemon does::
+
+    cuMemCreate(size, prop{PINNED, DEVICE dev, requestedHandleTypes=POSIX_FILE_DESCRIPTOR})
+    cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)  -> the fd a worker receives (SCM_RIGHTS)
+    cuMemAddressReserve + cuMemMap + cuMemSetAccess(READWRITE on dev)   -> the daemon's own view
+
+``size`` is ``spec.pool_bytes`` rounded up to the allocation granularity (the same for every
+shard). The daemon maps the memory only to scrub it (``zero_blocks``) and for tests
+(``read_block``); it never runs kernels on it. Scrubbing is a ``cuMemsetD8Async`` per
+contiguous run on the daemon's own stream of that device, followed by ``cuStreamSynchronize``
+of that stream only: the zeros are on the device before the block id is handed out, and the
+workers' streams (other processes) are never waited for.
+
+Nothing here imports cuda-python at module import: ``cuda.bindings.driver`` is imported inside
+functions, so the daemon imports and runs its host backend on machines without CUDA.
+The code paths that need a device are written against cuda-python 13 (every call returns a
+tuple ``(CUresult, value...)``) and are verified only on a GPU machine
+(``scripts/gpu_check.sh``); without one, ``tests/pools/test_cuda_pool.py`` checks the
+unavailable paths and this module's bookkeeping against an in-memory stand-in for the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from blockd.core.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
+from blockd.core.spec import DTYPE_BYTES, PoolSpec
+
+log = logging.getLogger("blockd.pools.cuda")
+
+FIELD = "pool.backend"
+_NO_DEVICE_HINT = "is a GPU visible to this container?"
+
+
+class CudaError(Internal):
+    """A CUDA driver call failed. ``call`` is the function, ``code`` the CUresult's name."""
+
+    def __init__(self, call: str, code: str, detail: str = "") -> None:
+        msg = f"{call} failed: {code}" + (f" ({detail})" if detail else "")
+        super().__init__(msg)
+        self.call = call
+        self.code = code
+
+
+def _driver() -> Any:
+    """The cuda-python driver module (imported lazily; tests replace this function)."""
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _result_name(drv: Any, err: Any) -> str:
+    # The enum's own name needs no driver library, unlike cuGetErrorName (which would fail in
+    # exactly the situations we are reporting).
+    try:
+        return str(drv.CUresult(int(err)).name)
+    except (ValueError, TypeError):
+        return f"CUresult({err!r})"
+
+
+def check(drv: Any, result: Any, call: str) -> Any:
+    """Unpack a cuda-python return tuple ``(CUresult, *values)``; raise CudaError on failure.
+
+    Returns None for calls that return only the CUresult, the value for one, a tuple for more.
+    """
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:  # never seen in cuda-python 13; tolerated so a bare CUresult is still checked
+        err, values = result, ()
+    if int(err) != 0:  # CUDA_SUCCESS
+        raise CudaError(call, _result_name(drv, err))
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def _log_failure(drv: Any, result: Any, call: str) -> bool:
+    """For teardown: log a failed call instead of raising; True when it succeeded."""
+    try:
+        check(drv, result, call)
+    except CudaError as exc:
+        log.warning("cuda pool teardown: %s", exc.message)
+        return False
+    return True
+
+
+def _device_problem(drv: Any, ordinal: int) -> str | None:
+    """Why device ``ordinal`` cannot hold a pool shard (None when it can)."""
+    dev = check(drv, drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    attr = drv.CUdevice_attribute
+    needs = (
+        (attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+         "does not support CUDA virtual memory management (cuMemCreate)"),
+        (attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+         "cannot export memory as a POSIX file descriptor"),
+    )
+    for which, what in needs:
+        if not check(drv, drv.cuDeviceGetAttribute(which, dev), f"cuDeviceGetAttribute({which})"):
+            return f"CUDA device {ordinal} {what}"
+    return None
+
+
+def cuda_unavailable_reason(devices: Sequence[int] | None = None) -> str | None:
+    """None when a CUDA pool can be created on ``devices`` (default: device 0), else why not.
+
+    Never raises for a missing package, driver or device: the answer is the message.
+    """
+    prefix = "cuda pool unavailable: "
+    try:
+        drv = _driver()
+    except ImportError as exc:
+        return f"{prefix}cuda-python is not installed ({exc}); install the 'gpu' extra"
+    except (RuntimeError, OSError) as exc:  # installed but broken (e.g. a version check)
+        return f"{prefix}cuda-python could not be imported: {exc}"
+    try:
+        # cuda-python raises (a RuntimeError subclass) when libcuda cannot be loaded at all,
+        # and returns an error code when the driver loads but finds no usable device.
+        err = drv.cuInit(0)[0]
+        if int(err) != 0:
+            return f"{prefix}cuInit failed: {_result_name(drv, err)} ({_NO_DEVICE_HINT})"
+        count = check(drv, drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        if count < 1:
+            return f"{prefix}no CUDA device is visible ({_NO_DEVICE_HINT})"
+        wanted = [0] if devices is None else list(devices)
+        missing = [d for d in wanted if not 0 <= d < count]
+        if missing:
+            return (f"{prefix}CUDA device(s) {missing} requested but only {count} visible "
+                    f"(ordinals 0..{count - 1})")
+        for d in wanted:
+            problem = _device_problem(drv, d)
+            if problem:
+                return prefix + problem
+    except CudaError as exc:
+        return prefix + exc.message
+    except (RuntimeError, OSError) as exc:
+        return (f"{prefix}the CUDA driver library could not be loaded: {exc} "
+                f"({_NO_DEVICE_HINT})")
+    return None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class _Shard:
+    """One device's allocation as the daemon holds it. Fields are filled as steps succeed, so
+    ``CudaPool._release_shard`` undoes exactly what was done, also after a failure half way."""
+
+    __slots__ = ("device", "dev", "ctx", "stream", "handle", "fd", "ptr", "mapped")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.dev: Any = None  # the CUdevice of ``device``
+        self.ctx: Any = None
+        self.stream: Any = None
+        self.handle: Any = None
+        self.fd = -1
+        self.ptr = 0
+        self.mapped = False
+
+
+class CudaPool:
+    """A KV pool in device memory, one VMM allocation per shard. Owned by the daemon; workers
+    import the exported fds (``clients/blockd_client/cuda_view.py``)."""
+
+    backend = "cuda"
+
+    def __init__(self, spec: PoolSpec, prefault: bool = False,
+                 devices: list[int] | None = None) -> None:
+        self.spec = spec
+        devs = list(range(spec.tp_size)) if devices is None else [int(d) for d in devices]
+        if len(devs) != spec.tp_size or len(set(devs)) != len(devs):
+            raise InvalidArgument(
+                f"devices must list {spec.tp_size} distinct CUDA ordinals (one per tensor-parallel "
+                f"shard, pool.tp_size={spec.tp_size}), got {devs}", field="pool.devices")
+        self.devices = devs
+        reason = cuda_unavailable_reason(devs)
+        if reason is not None:
+            raise FailedPrecondition(reason, field=FIELD)
+        #: Bytes of one block's run within one (layer, K/V) plane of one shard.
+        self.run_bytes = (spec.block_size * spec.num_kv_heads * spec.head_dim
+                          * DTYPE_BYTES[spec.dtype])
+        self.plane_bytes = self.run_bytes * spec.num_blocks
+        #: Planes per shard (each shard is its own allocation, unlike the host pool).
+        self.num_planes = 2 * spec.num_layers
+        self._drv = _driver()
+        self._shards: list[_Shard] = []
+        self._closed = False
+        self.granularity = 0
+        self.size = 0
+        self.device_uuids: list[str] = []
+        self.fds: list[int] = []
+        try:
+            self.granularity = self._granularity()
+            #: Bytes of each shard's allocation (what a worker maps).
+            self.size = _round_up(self.plane_bytes * self.num_planes, self.granularity)
+            for dev in devs:
+                shard = _Shard(dev)
+                self._shards.append(shard)
+                self._create(shard)
+            self.device_uuids = [self._uuid(d) for d in devs]
+            # cuMemCreate does not promise zeroed memory, and the host pool starts zeroed
+            # (memfd): scrub everything once so a never-used block never leaks old bytes. It also
+            # touches every page, which is all ``prefault`` asks of the host pool.
+            self._memset_all()
+        except CudaError as exc:
+            self._release_all()
+            raise self._creation_error(exc) from exc
+        except BaseException:
+            self._release_all()
+            raise
+        # ``prefault`` needs no action: cuMemCreate commits device memory and the scrub above
+        # touched all of it. It is accepted so both backends take the same arguments.
+        #: One exported POSIX fd per shard, in ``devices`` order (what workers receive).
+        self.fds = [s.fd for s in self._shards]
+
+    # -- creation -------------------------------------------------------------------------------
+
+    def _prop(self, device: int) -> Any:
+        drv = self._drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        prop.requestedHandleTypes = (
+            drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return prop
+
+    def _access(self, device: int) -> Any:
+        drv = self._drv
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = device
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return desc
+
+    def _granularity(self) -> int:
+        """The recommended granularity, common to every shard's device (their lcm)."""
+        drv = self._drv
+        g = 1
+        for dev in self.devices:
+            got = check(drv, drv.cuMemGetAllocationGranularity(
+                self._prop(dev),
+                drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                f"cuMemGetAllocationGranularity(device {dev})")
+            g = math.lcm(g, int(got))
+        return g
+
+    def _uuid(self, device: int) -> str:
+        drv = self._drv
+        dev = check(drv, drv.cuDeviceGet(device), f"cuDeviceGet({device})")
+        uuid = check(drv, drv.cuDeviceGetUuid(dev), f"cuDeviceGetUuid(device {device})")
+        return bytes(uuid.bytes).hex()
+
+    @contextlib.contextmanager
+    def _current(self, shard: _Shard) -> Iterator[None]:
+        """Make ``shard``'s device's primary context current on this thread, then restore the
+        caller's (push/pop, so whatever context the thread had is untouched)."""
+        drv = self._drv
+        check(drv, drv.cuCtxPushCurrent(shard.ctx), f"cuCtxPushCurrent(device {shard.device})")
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            popped = drv.cuCtxPopCurrent()
+            if failed:  # do not mask the body's error with the pop's
+                _log_failure(drv, popped, f"cuCtxPopCurrent(device {shard.device})")
+            else:
+                check(drv, popped, f"cuCtxPopCurrent(device {shard.device})")
+
+    def _create(self, shard: _Shard) -> None:
+        drv = self._drv
+        dev_id = shard.device
+        shard.dev = check(drv, drv.cuDeviceGet(dev_id), f"cuDeviceGet({dev_id})")
+        # The primary context is the one torch and the runtime use; retaining it (instead of
+        # creating a context) costs no extra device memory.
+        shard.ctx = check(drv, drv.cuDevicePrimaryCtxRetain(shard.dev),
+                          f"cuDevicePrimaryCtxRetain(device {dev_id})")
+        with self._current(shard):
+            # Non-blocking: the scrub stream must not serialise with the legacy default stream.
+            shard.stream = check(drv, drv.cuStreamCreate(
+                int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), f"cuStreamCreate(device {dev_id})")
+            shard.handle = check(drv, drv.cuMemCreate(self.size, self._prop(dev_id), 0),
+                                 f"cuMemCreate({self.size} bytes, device {dev_id})")
+            fd = check(drv, drv.cuMemExportToShareableHandle(
+                shard.handle,
+                drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                f"cuMemExportToShareableHandle(device {dev_id})")
+            shard.fd = int(fd)
+            # The driver does not document O_CLOEXEC on exported fds; a child the daemon spawns
+            # must not inherit access to the pool.
+            os.set_inheritable(shard.fd, False)
+            ptr = check(drv, drv.cuMemAddressReserve(self.size, self.granularity, 0, 0),
+                        f"cuMemAddressReserve({self.size} bytes, device {dev_id})")
+            shard.ptr = int(ptr)
+            check(drv, drv.cuMemMap(shard.ptr, self.size, 0, shard.handle, 0),
+                  f"cuMemMap(device {dev_id})")
+            shard.mapped = True
+            check(drv, drv.cuMemSetAccess(shard.ptr, self.size, [self._access(dev_id)], 1),
+                  f"cuMemSetAccess(device {dev_id})")
+
+    def _creation_error(self, exc: CudaError) -> Exception:
+        spec = self.spec
+        if exc.code == "CUDA_ERROR_OUT_OF_MEMORY" and exc.call.startswith("cuMemCreate"):
+            return ResourceExhausted(
+                f"cannot allocate {self.size} bytes of device memory per shard for the pool "
+                f"(pool.num_blocks={spec.num_blocks} x {spec.block_bytes} bytes per block): "
+                f"{exc.message}", reason="device_memory", field="pool.num_blocks")
+        return FailedPrecondition(f"cuda pool unavailable: {exc.message}", field=FIELD)
+
+    # -- blocks ---------------------------------------------------------------------------------
+
+    def block_runs(self, block: int) -> list[tuple[int, int]]:
+        """(offset, length) of each contiguous run of ``block``'s bytes within one shard."""
+        return [(p * self.plane_bytes + block * self.run_bytes, self.run_bytes)
+                for p in range(self.num_planes)]
+
+    def _spans(self, blocks: Iterable[int]) -> list[tuple[int, int]]:
+        """``blocks`` as (first, count) spans of consecutive ids, so adjacent blocks are one
+        memset per plane instead of one each."""
+        ids = sorted(set(blocks))
+        n = self.spec.num_blocks
+        if ids and (ids[0] < 0 or ids[-1] >= n):
+            bad = [b for b in ids if not 0 <= b < n]
+            raise IndexError(f"block ids {bad[:8]} out of range 0..{n - 1}")
+        spans: list[tuple[int, int]] = []
+        for b in ids:
+            if spans and spans[-1][0] + spans[-1][1] == b:
+                spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+            else:
+                spans.append((b, 1))
+        return spans
+
+    def zero_blocks(self, blocks: Iterable[int]) -> None:
+        """Scrub: zero every byte of each block on every shard; returns once the zeros are on
+        the devices (each device's own stream synchronised, never the whole device)."""
+        self._check_open()
+        spans = self._spans(blocks)
+        if not spans:
+            return
+        drv = self._drv
+        run, plane = self.run_bytes, self.plane_bytes
+        # Enqueue on every device first, then wait: the shards are scrubbed in parallel.
+        for shard in self._shards:
+            with self._current(shard):
+                for first, count in spans:
+                    base = shard.ptr + first * run
+                    for p in range(self.num_planes):
+                        check(drv, drv.cuMemsetD8Async(base + p * plane, 0, count * run,
+                                                       shard.stream),
+                              f"cuMemsetD8Async(device {shard.device})")
+        self._sync_streams()
+
+    def _memset_all(self) -> None:
+        drv = self._drv
+        for shard in self._shards:
+            with self._current(shard):
+                check(drv, drv.cuMemsetD8Async(shard.ptr, 0, self.size, shard.stream),
+                      f"cuMemsetD8Async(device {shard.device})")
+        self._sync_streams()
+
+    def _sync_streams(self) -> None:
+        drv = self._drv
+        for shard in self._shards:
+            with self._current(shard):
+                check(drv, drv.cuStreamSynchronize(shard.stream),
+                      f"cuStreamSynchronize(device {shard.device})")
+
+    def read_block(self, block: int, shard: int = 0) -> bytes:
+        """Every byte of a block on one shard, runs concatenated (for tests and diagnostics)."""
+        self._check_open()
+        if not 0 <= block < self.spec.num_blocks:
+            raise IndexError(f"block {block} out of range 0..{self.spec.num_blocks - 1}")
+        s = self._shards[shard]
+        drv = self._drv
+        out = bytearray(self.num_planes * self.run_bytes)
+        dst = ctypes.addressof(ctypes.c_char.from_buffer(out))
+        with self._current(s):
+            # On the daemon's stream, so a read is ordered after any scrub still in flight.
+            for i, (off, n) in enumerate(self.block_runs(block)):
+                check(drv, drv.cuMemcpyDtoHAsync(dst + i * n, s.ptr + off, n, s.stream),
+                      f"cuMemcpyDtoHAsync(device {s.device})")
+            check(drv, drv.cuStreamSynchronize(s.stream), f"cuStreamSynchronize(device {s.device})")
+        return bytes(out)
+
+    # -- what workers receive -------------------------------------------------------------------
+
+    def header(self) -> dict[str, object]:
+        """What a worker needs beyond the host header to import the shards (JSON-able).
+
+        ``devices`` are this daemon's ordinals; ``device_uuids`` identify the same GPUs in a
+        worker whose ordinals differ (another container with its own CUDA_VISIBLE_DEVICES).
+        """
+        return {"backend": self.backend, "devices": list(self.devices), "shard_bytes": self.size,
+                "granularity": self.granularity, "device_uuids": list(self.device_uuids)}
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the CUDA pool is closed")
+
+    def _release_shard(self, shard: _Shard) -> None:
+        """Undo whatever of ``_create`` happened, best effort (a failed step is logged and the
+        rest still run). Workers that imported the memory keep it: the allocation is freed only
+        once every process has unmapped it and released its handle."""
+        drv = self._drv
+        try:
+            if shard.ctx is not None:
+                pushed = drv.cuCtxPushCurrent(shard.ctx)
+                where = f"(device {shard.device})"
+                if shard.stream is not None:  # no scrub may still be writing what we unmap
+                    _log_failure(drv, drv.cuStreamSynchronize(shard.stream),
+                                 "cuStreamSynchronize" + where)
+                if shard.mapped:
+                    _log_failure(drv, drv.cuMemUnmap(shard.ptr, self.size), "cuMemUnmap" + where)
+                if shard.handle is not None:
+                    _log_failure(drv, drv.cuMemRelease(shard.handle), "cuMemRelease" + where)
+                if shard.ptr:
+                    _log_failure(drv, drv.cuMemAddressFree(shard.ptr, self.size),
+                                 "cuMemAddressFree" + where)
+                if shard.stream is not None:
+                    _log_failure(drv, drv.cuStreamDestroy(shard.stream),
+                                 "cuStreamDestroy" + where)
+                if _log_failure(drv, pushed, "cuCtxPushCurrent" + where):
+                    _log_failure(drv, drv.cuCtxPopCurrent(), "cuCtxPopCurrent" + where)
+                _log_failure(drv, drv.cuDevicePrimaryCtxRelease(shard.dev),
+                             "cuDevicePrimaryCtxRelease" + where)
+        finally:
+            shard.stream = shard.handle = shard.ctx = None
+            shard.mapped = False
+            shard.ptr = 0
+            if shard.fd >= 0:
+                os.close(shard.fd)
+                shard.fd = -1
+
+    def _release_all(self) -> None:
+        for shard in reversed(self._shards):
+            self._release_shard(shard)
+
+    def close(self) -> None:
+        """Unmap, release and free every shard and close the exported fds (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release_all()
+        self.fds = []
