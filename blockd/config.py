@@ -116,6 +116,34 @@ class TenantsConfig:
 
 
 @dataclass(frozen=True)
+class EventsConfig:
+    """Block events in vLLM's KV-events wire format over ZMQ (docs/kv_events.md)."""
+
+    #: ZMQ PUB endpoint to bind, e.g. "tcp://*:5557" ("" disables publishing; a port of "*"
+    #: picks a free one).
+    zmq_endpoint: str = ""
+    #: Connect the PUB socket to ``zmq_endpoint`` instead of binding it: for a consumer that
+    #: binds and collects many publishers (llm-d's indexer on "tcp://*:5557").
+    zmq_connect: bool = False
+    #: ZMQ ROUTER endpoint that replays missed batches, e.g. "tcp://*:5558" ("" disables it).
+    replay_endpoint: str = ""
+    #: First frame of every message (llm-d's indexer expects "kv@<pod-id>@<model-name>").
+    topic: str = "kv-events"
+    #: Longest time an event waits for others to share its batch, milliseconds.
+    batch_ms: float = 10.0
+    #: Most events in one batch.
+    max_batch: int = 512
+    #: Batches kept for replay (the oldest are dropped first).
+    replay_buffer: int = 10000
+    #: ZMQ send high-water mark of the PUB socket: messages queued per slow subscriber before
+    #: further ones are dropped for it (it sees a gap and replays).
+    hwm: int = 100000
+    #: Publish ``extra_keys`` (("blockd", namespace label, tenant label) per block). Off for
+    #: consumers that read that field as something else (see docs/kv_events.md).
+    extra_keys: bool = True
+
+
+@dataclass(frozen=True)
 class LogConfig:
     #: DEBUG, INFO, WARNING or ERROR.
     level: str = "INFO"
@@ -133,6 +161,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.config import Config
 from blockd.pools.handles import HandleServer
 from blockd.server.daemon import Daemon
+from blockd.server.kv_events import KvEventPublisher, medium_for
 from blockd.server.metrics import Metrics, serve_http
 from blockd.server.servicer import BlockdServicer
 
@@ -36,7 +37,20 @@ def _split(address: str) -> tuple[str, int]:
 
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
-    daemon = Daemon(cfg)
+    publisher = None
+    if cfg.events.zmq_endpoint:
+        # Bound first, so a taken port fails the start before the pool exists.
+        publisher = KvEventPublisher(cfg.events, block_size=cfg.pool.block_size,
+                                     medium=medium_for(cfg.pool.backend))
+        publisher.start()
+    try:
+        daemon = Daemon(cfg)
+    except BaseException:
+        if publisher is not None:
+            publisher.stop()
+        raise
+    if publisher is not None:
+        daemon.events.add_listener(publisher.submit)
     metrics = Metrics()
     metrics.bind(daemon)
     sc = cfg.server
@@ -72,6 +86,10 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         handles = HandleServer(sc.handle_socket, daemon.handle_for)
         handles.start()
         endpoints["handles"] = handles.path
+    if publisher is not None:
+        endpoints["kv_events"] = publisher.endpoint
+        if publisher.replay_endpoint:
+            endpoints["kv_replay"] = publisher.replay_endpoint
     metrics_server = None
     if cfg.metrics.address:
         host, port = _split(cfg.metrics.address)
@@ -137,6 +155,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     await server.stop(1.0)
     reap_task.cancel()
     poll_task.cancel()
+    if publisher is not None:
+        daemon.events.remove_listener(publisher.submit)
+        await asyncio.to_thread(publisher.stop)  # flushes the last batch; off the event loop
     if handles is not None:
         handles.close()
     if metrics_server is not None:

@@ -1,21 +1,30 @@
 """Block events (stored / removed / all cleared) with gap-free sequence numbers.
 
-The core calls ``publish`` synchronously on the event loop; watchers (WatchEvents streams, and
-later the ZMQ publisher) read from a bounded replay buffer, so a slow watcher can never make
-the daemon hold unbounded memory: it gets OUT_OF_RANGE and resubscribes.
+The core calls ``on_core_event`` synchronously on the event loop. WatchEvents streams read from a
+bounded replay buffer, so a slow watcher can never make the daemon hold unbounded memory: it gets
+OUT_OF_RANGE and resubscribes. Listeners (the ZMQ KV-events publisher, ``kv_events.py``) are
+handed each ``Event`` as it is appended; a listener must be O(1) and must not block.
 
-What an event carries is decided here, once: a private tenant's events never include token ids,
-and no event ever includes a salt (the namespace label is a prefix of the keyed root hash).
+What an event carries is decided here, once, for both paths: a private tenant's events never
+include token ids, and no event ever includes a salt or a private tenant's id (the namespace
+label is a prefix of the keyed root hash; the tenant label of a private domain is a keyed digest
+whose key lives only in this process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from blockd.core.namespace import Namespace
+
+log = logging.getLogger("blockd.events")
 
 STORED = "stored"
 REMOVED = "removed"
@@ -33,6 +42,9 @@ class Event:
     token_bytes: bytes = b""
     lora_id: str = ""
     namespace: str = ""
+    #: The sharing domain ("public", "group:<name>"), or for a private domain
+    #: "private:<keyed digest of the tenant id>" (never the raw id).
+    tenant: str = ""
 
 
 class EventLog:
@@ -46,6 +58,33 @@ class EventLog:
         self._changed = asyncio.Event()
         #: Key of each indexed block, so a child's event can name its parent's hash.
         self._keys: dict[int, bytes] = {}
+        #: Called with each appended event (after it has its sequence number).
+        self._listeners: list[Callable[[Event], None]] = []
+        #: Keys the private tenants' labels; never leaves this process, new at every start.
+        self._label_key = os.urandom(32)
+        self._tenant_labels: dict[str, str] = {}
+
+    def add_listener(self, fn: Callable[[Event], None]) -> None:
+        """Call ``fn(event)`` for every event from now on (on the event loop; keep it O(1))."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[Event], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def tenant_label(self, sharing_domain: str) -> str:
+        """What events say about a namespace's tenant: the domain, a digest for private ones."""
+        label = self._tenant_labels.get(sharing_domain)
+        if label is None:
+            if sharing_domain.startswith("private:"):
+                tenant = sharing_domain[len("private:"):].encode("utf-8")
+                digest = hashlib.blake2b(tenant, key=self._label_key, digest_size=8,
+                                         person=b"blockd.tenant").hexdigest()
+                label = "private:" + digest
+            else:
+                label = sharing_domain
+            self._tenant_labels[sharing_domain] = label
+        return label
 
     def on_core_event(self, kind: str, data: dict[str, Any]) -> None:
         """The BlockManager's event sink."""
@@ -53,11 +92,14 @@ class EventLog:
             ns: Namespace = data["ns"]
             key: bytes = data["key"]
             self._keys[data["block"]] = key
-            private = ns.fields.sharing_domain.startswith("private:")
+            domain = ns.fields.sharing_domain
+            private = domain.startswith("private:")
             parent = self._keys.get(data["parent"], b"") if data["parent"] >= 0 else b""
             self._append(Event(0, STORED, (key,), parent,
-                               b"" if private else data["tokens"],
-                               ns.fields.lora_id or "", "ns-" + ns.root_key[:8].hex()))
+                               token_bytes=b"" if private else data["tokens"],
+                               lora_id=ns.fields.lora_id or "",
+                               namespace="ns-" + ns.root_key[:8].hex(),
+                               tenant=self.tenant_label(domain)))
         elif kind == REMOVED:
             self._keys.pop(data["block"], None)
             self._append(Event(0, REMOVED, (data["key"],)))
@@ -70,6 +112,11 @@ class EventLog:
         self.next_seq += 1
         self.events.append(ev)
         self._changed.set()
+        for fn in self._listeners:
+            try:
+                fn(ev)
+            except Exception:  # a listener's failure must never reach the core
+                log.exception("event listener failed; event %d not delivered to it", ev.seq)
 
     @property
     def oldest_seq(self) -> int:

@@ -71,6 +71,8 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         self.d = daemon
         self.m = daemon.manager
         self.metrics = metrics
+        #: vLLM's medium names: where the blocks live.
+        self._medium = "GPU" if daemon.pool.backend == "cuda" else "CPU"
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -389,10 +391,10 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             out.block_stored.CopyFrom(pb.BlockStored(
                 block_hashes=list(ev.block_hashes), parent_block_hash=ev.parent_hash,
                 token_ids=tokens, block_size=self.d.spec.block_size, lora_id=ev.lora_id,
-                medium="cpu", namespace=ev.namespace))
+                medium=self._medium, namespace=ev.namespace))
         elif ev.kind == REMOVED:
             out.block_removed.CopyFrom(pb.BlockRemoved(block_hashes=list(ev.block_hashes),
-                                                       medium="cpu"))
+                                                       medium=self._medium))
         elif ev.kind == CLEARED:
             out.all_blocks_cleared.SetInParent()
         return out
