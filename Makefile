@@ -31,6 +31,7 @@ fuzz: $(STAMP)
 ## Benchmarks: numbers to bench/results/*.json, plots to bench/results/*.png.
 bench: $(STAMP)
 	$(PY) bench/core_replay.py
+	$(PY) bench/seeds_numbers.py
 	$(PY) bench/grpc_step.py
 	$(PY) bench/cpu_paged_vs_sdpa.py
 

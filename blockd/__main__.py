@@ -17,11 +17,17 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo-core", help="narrated in-process walk through the block manager")
     sub.add_parser("load", help="load generator: N workers streaming Steps (see --help)",
                    add_help=False)
+    sub.add_parser("demo", help="embedded daemon + reference worker over a shared-prompt "
+                   "workload; prints a summary, writes a plot", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["load"]:
         from blockd import loadgen
 
         return loadgen.main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from blockd import demo
+
+        return demo.main(argv[1:])
     args = parser.parse_args(argv)
 
     if args.command == "demo-core":
