@@ -761,6 +761,8 @@ class BlockManager:
             key = batch.keys[j]
             chunk = batch.chunks[j]
             if index.insert(b, key, chunk, parent, batch.ns_id):
+                # Indexed itself now (its twin may have been flushed): no longer a duplicate.
+                dup.pop(b, None)
                 self.namespaces.incref(ns)
                 if emit is not None:
                     emit("stored", {"block": b, "key": key, "parent": parent,
