@@ -820,7 +820,7 @@ class BlockManager:
         return seq
 
     def _new_seq_id(self) -> str:
-        return secrets.token_urlsafe(12)
+        return secrets.token_urlsafe(16)  # 128 random bits, as the API promises
 
     # -- invariants ---------------------------------------------------------------------------
 

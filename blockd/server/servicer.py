@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
@@ -28,6 +29,7 @@ from blockd.core.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     StatusCode,
 )
 from blockd.core.manager import DoesNotFit
@@ -140,9 +142,36 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             await context.abort(grpc_status(err), details(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
+        except DecodeError:
+            # grpc parses each stream message as the handler iterates: the client's fault.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request: a StepRequest on the stream could not be parsed")
         except Exception:
             log.exception("internal error in StepStream")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by blockd)")
+
+    def _answer_bound(self, req: pb.StepRequest) -> int:
+        """A cheap upper bound of a Step's answer size, from counts alone (no op is applied).
+
+        Per operation or batch entry at most ~120 bytes of status or result (ids, counts, an
+        error field path), plus 5 bytes per block id an admit or append can return.
+        """
+        B = self.d.spec.block_size
+        entries = 0
+        blocks = 0
+        for op in req.operations:
+            kind = op.WhichOneof("op")
+            if kind == "admit":
+                blocks += len(op.admit.token_ids) // B + 1
+            elif kind == "append":
+                blocks += len(op.append.token_ids) // B + 2
+            elif kind == "append_batch":
+                n = len(op.append_batch.sequence_ids)
+                entries += n
+                blocks += len(op.append_batch.token_ids) // B + 2 * n
+            elif kind == "fork":
+                entries += min(op.fork.num_children, 64)
+        return 256 + 120 * (len(req.operations) + entries) + 5 * blocks
 
     def check(self) -> None:
         """With ``server.check_invariants``: assert the core's invariants after each call."""
@@ -163,6 +192,14 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         limit = self.d.cfg.server.max_operations_per_step
         if len(req.operations) > limit:
             raise InvalidArgument(f"more than {limit} operations", field="operations")
+        bound = self._answer_bound(req)
+        if bound > self.d.cfg.server.max_message_bytes:
+            # Checked before anything is applied: an answer that cannot be sent would leave the
+            # worker with a Step applied that it never learns about.
+            raise ResourceExhausted(
+                f"the answer could reach {bound} bytes, over max_message_bytes "
+                f"({self.d.cfg.server.max_message_bytes}): split the Step", reason="message",
+                field="operations")
         sid = info.id
         self.d.poll_fence(info)
         self.m.begin_step(sid, req.fence, req.completed_fence)
@@ -403,6 +440,8 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
     async def FlushNamespace(self, request: pb.FlushNamespaceRequest, context: Any
                              ) -> pb.FlushNamespaceResponse:
         principal = self.d.authenticate(context.invocation_metadata())
+        for name in ("model_id", "model_revision", "lora_id", "tenant_id"):
+            convert.check_id(getattr(request, name), name, required=False)
         if not principal.admin:
             if not request.tenant_id:
                 raise PermissionDenied("without an admin credential a flush must name one of "
