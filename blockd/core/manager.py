@@ -39,7 +39,7 @@ from blockd.core.errors import (
     PermissionDenied,
 )
 from blockd.core.fences import COMMIT, RELEASE, CommitBatch, Session
-from blockd.core.namespace import NamespaceFields, NamespaceTable, PrefixScope
+from blockd.core.namespace import Namespace, NamespaceFields, NamespaceTable, PrefixScope
 from blockd.core.prefix_index import NO_PARENT, HashFactory, PrefixIndex
 from blockd.core.sequence import Sequence, as_token_bytes
 from blockd.core.spec import PoolSpec
@@ -166,6 +166,7 @@ class BlockManager:
         #: (that block, its generation). Later blocks of the prefix chain to the indexed one.
         #: Holds only such duplicates, and only while they are allocated.
         self._dup: dict[int, tuple[int, int]] = {}
+        self._ns_cache: dict[tuple[PrefixScope, int], Namespace] = {}
         self._scrub_owner = [p.scrub_on_reuse for p in self.tenants.policies]
 
     # -- tenants and sessions -----------------------------------------------------------------
@@ -173,6 +174,7 @@ class BlockManager:
     def set_tenants(self, policies: Iterable[TenantPolicy]) -> None:
         """Reload tenant policies; sessions and blocks are kept."""
         self.tenants.replace(list(policies))
+        self._ns_cache.clear()  # a tenant's sharing domain may have changed
         self.alloc.ensure_tenants(len(self.tenants))
         self._scrub_owner = [p.scrub_on_reuse for p in self.tenants.policies]
 
@@ -261,8 +263,7 @@ class BlockManager:
         length = len(raw) // 4
         if length == 0:
             raise InvalidArgument("a prompt needs at least one token", field="token_ids")
-        policy = self.tenants.policies[session.tenant]
-        ns = self.namespaces.intern(_fields(scope, policy))
+        ns = self._namespace(scope, session.tenant)
         cache = cache and self.enable_prefix_cache
         B = self.block_size
         hits: list[int] = []
@@ -503,7 +504,7 @@ class BlockManager:
         length = len(raw) // 4
         if length == 0 or not self.enable_prefix_cache:
             return 0
-        ns = self.namespaces.intern(_fields(scope, self.tenants.policies[session.tenant]))
+        ns = self._namespace(scope, session.tenant)
         try:
             hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // self.block_size)
             return len(hits) * self.block_size
@@ -585,6 +586,19 @@ class BlockManager:
         """Blocks that must be zeroed before the worker uses them (drained by the pool layer)."""
         out, self._scrub = self._scrub, []
         return out
+
+    def _namespace(self, scope: PrefixScope, tenant: int) -> Namespace:
+        """The interned namespace of a request, memoised per (scope, tenant): encoding and
+        hashing the namespace fields costs more than the rest of a short lookup."""
+        key = (scope, tenant)
+        ns = self._ns_cache.get(key)
+        if ns is not None and self.namespaces.is_live(ns):
+            return ns
+        ns = self.namespaces.intern(_fields(scope, self.tenants.policies[tenant]))
+        if len(self._ns_cache) >= 4096:
+            self._ns_cache.clear()
+        self._ns_cache[key] = ns
+        return ns
 
     # -- internals: fit, allocation, eviction -------------------------------------------------
 

@@ -115,6 +115,10 @@ class NamespaceTable:
     def get(self, ns_id: int) -> Namespace:
         return self._by_id[ns_id]
 
+    def is_live(self, ns: Namespace) -> bool:
+        """Whether ``ns`` is still interned (its id has not been recycled)."""
+        return self._by_id.get(ns.id) is ns
+
     def incref(self, ns: Namespace, n: int = 1) -> None:
         ns.refs += n
 

@@ -60,7 +60,7 @@ class PrefixIndex:
         self.tokens: list[bytes | None] = [None] * num_blocks
         #: Block matched just before this one in its prefix, NO_PARENT for a first block.
         self.parent = array("i", [NO_PARENT]) * num_blocks
-        #: Times the block was indexed (mod 2^32): its incarnation.
+        #: Bumped whenever the block enters or leaves the index (mod 2^32): its incarnation.
         self.gen = array("I", bytes(4 * num_blocks))
         #: The parent's generation when this block was indexed.
         self.parent_gen = array("I", bytes(4 * num_blocks))
@@ -136,28 +136,36 @@ class PrefixIndex:
 
     def _verify_chain(self, ns_id: int, last: int, n: int, token_bytes: bytes
                       ) -> list[int] | None:
-        """The ``n`` blocks ending at ``last``, if they hold exactly this prompt's prefix."""
+        """The ``n`` blocks ending at ``last``, if they hold exactly this prompt's prefix.
+
+        NOTE: only the first block's namespace is compared. A child is indexed only under a
+        parent of its own namespace (the block before it in its sequence, or a verified twin),
+        and a parent's generation changes whenever it leaves or re-enters the index; so once
+        every link's generation matches, every block of the chain has the first one's
+        namespace. That saves a pass over the chain on every lookup.
+        """
         parent = self.parent
-        blocks = [0] * n
+        blocks: list[int] = []
+        append = blocks.append
         b = last
-        for i in range(n - 1, -1, -1):
-            if b < 0:
-                return None
-            blocks[i] = b
+        while b >= 0 and len(blocks) < n:
+            append(b)
             b = parent[b]
-        if b != NO_PARENT:
+        if b != NO_PARENT or len(blocks) != n:
             return None
-        # Each parent must still be the incarnation its child was computed after.
+        blocks.reverse()
+        # Each parent must still be the incarnation its child was computed after (which also
+        # means it is still indexed: leaving the index bumps the generation).
         if (n > 1 and list(map(self.parent_gen.__getitem__, blocks[1:]))
                 != list(map(self.gen.__getitem__, blocks[:-1]))):
             return None
-        chunks = list(map(self.tokens.__getitem__, blocks))
-        if None in chunks:  # a block on the walk is no longer indexed
+        if self.ns[blocks[0]] != ns_id:
             return None
-        stored = b"".join(chunks)  # type: ignore[arg-type]
+        try:
+            stored = b"".join(map(self.tokens.__getitem__, blocks))  # type: ignore[arg-type]
+        except TypeError:  # not indexed (only possible for the first block)
+            return None
         if stored != token_bytes[: n * self.chunk_bytes]:
-            return None
-        if list(map(self.ns.__getitem__, blocks)).count(ns_id) != n:
             return None
         return blocks
 
@@ -203,6 +211,8 @@ class PrefixIndex:
         self.key[block] = None
         self.tokens[block] = None
         self.parent[block] = NO_PARENT
+        # A new incarnation: children indexed after the old one no longer chain to it.
+        self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
         ns_id = self.ns[block]
         self.ns[block] = 0
         return ns_id
