@@ -218,6 +218,7 @@ def plot(result: dict[str, object], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     runs = result["runs"]
     best = {e: max((r for r in runs if r["engine"] == e), key=lambda r: r["block_ops_per_s"])
@@ -229,6 +230,8 @@ def plot(result: dict[str, object], path: Path) -> None:
     colors = ["#999999"] * len(REFERENCE_BLOCK_OPS) + ["#e08a2c", "#2c7be0"]
     axes[0].barh(names, values, color=colors)
     axes[0].set_xlabel("block operations / s (median)")
+    axes[0].xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"{v / 1000:.0f}k"))
     axes[0].set_title("Trace replay throughput")
     for y, v in enumerate(values):
         axes[0].text(v, y, f" {v/1000:.0f}k", va="center")
@@ -236,8 +239,8 @@ def plot(result: dict[str, object], path: Path) -> None:
     xs = [16 * (i + 1) for i in range(len(b["free_series"]))]
     axes[1].plot(xs, b["free_series"], color="#2c7be0")
     axes[1].set_xlabel("scheduler step")
-    axes[1].set_ylabel("free blocks")
-    axes[1].set_title("Free blocks over the replay (blockd)")
+    axes[1].set_ylabel("free blocks (never used or evicted)")
+    axes[1].set_title("Free blocks over the replay (blockd; the rest is live or cached)")
     axes[2].plot(xs, b["hit_series"], color="#2c7be0", label="blockd")
     axes[2].plot(xs[: len(best["naive"]["hit_series"])], best["naive"]["hit_series"],
                  color="#e08a2c", linestyle="--", label="naive")
