@@ -154,15 +154,18 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         """A cheap upper bound of a Step's answer size, from counts alone (no op is applied).
 
         Per operation or batch entry at most ~120 bytes of status or result (ids, counts, an
-        error field path), plus 5 bytes per block id an admit or append can return.
+        error field path), plus 5 bytes per block id an admit or append can return, plus what an
+        answer echoes back (an admit's request_id).
         """
         B = self.d.spec.block_size
         entries = 0
         blocks = 0
+        echoed = 0
         for op in req.operations:
             kind = op.WhichOneof("op")
             if kind == "admit":
                 blocks += len(op.admit.token_ids) // B + 1
+                echoed += len(op.admit.request_id) * 4  # UTF-8 of a str: at most 4 bytes each
             elif kind == "append":
                 blocks += len(op.append.token_ids) // B + 2
             elif kind == "append_batch":
@@ -171,7 +174,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                 blocks += len(op.append_batch.token_ids) // B + 2 * n
             elif kind == "fork":
                 entries += min(op.fork.num_children, 64)
-        return 256 + 120 * (len(req.operations) + entries) + 5 * blocks
+        return 256 + 120 * (len(req.operations) + entries) + 5 * blocks + echoed
 
     def check(self) -> None:
         """With ``server.check_invariants``: assert the core's invariants after each call."""
