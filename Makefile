@@ -27,6 +27,7 @@ test: $(STAMP)
 ## Longer randomised runs of the property tests (not part of `make test`).
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/core -k "state_machine or partition"
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/fuzz
 
 ## Benchmarks: numbers to bench/results/*.json, plots to bench/results/*.png.
 bench: $(STAMP)
