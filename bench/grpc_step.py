@@ -50,7 +50,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections import deque
@@ -64,6 +63,7 @@ import yaml
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
+from blockd.launch import spawn
 from blockd.server.tenants_file import token_hash
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -143,36 +143,9 @@ def write_config(workdir: Path) -> Path:
 def start_daemon(workdir: Path) -> DaemonProc:
     """Start ``blockd serve`` and wait for its ``BLOCKD_READY {endpoints}`` line."""
     cfg_path = write_config(workdir)
-    # BLOCKD_* variables would override the config file; the bench must not inherit any.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKD_")}
-    proc = subprocess.Popen([sys.executable, "-m", "blockd", "serve", "--config", str(cfg_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=workdir, env=env)
-    assert proc.stdout is not None
     lines: deque[str] = deque(maxlen=200)
-    endpoints = None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("BLOCKD_READY "):
-            endpoints = json.loads(line.split(" ", 1)[1])
-            break
-    if endpoints is None:
-        proc.kill()
-        proc.wait()
-        raise RuntimeError("the daemon did not start:\n" + "".join(lines))
-    daemon = DaemonProc(proc, endpoints, lines)
-
-    def pump() -> None:  # keep reading, or a full pipe would block the daemon's logging
-        assert proc.stdout is not None
-        for out in proc.stdout:
-            daemon.lines.append(out)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return daemon
+    launched = spawn(cfg_path, workdir, lines=lines)
+    return DaemonProc(launched.proc, launched.endpoints, lines)
 
 
 def scrape_step_histogram(url: str) -> tuple[float, int]:

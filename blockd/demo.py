@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from blockd.launch import spawn
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "bench" / "results" / "demo.png"
 
@@ -67,37 +66,11 @@ def embedded_daemon(pool: dict[str, Any], *, ready_timeout: float = 60.0) -> Ite
         }
         cfg_path = Path(tmp) / "blockd.yaml"
         cfg_path.write_text(yaml.safe_dump(cfg))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKD_")}
-        proc = subprocess.Popen([sys.executable, "-m", "blockd", "serve", "--config",
-                                 str(cfg_path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=tmp, env=env)
-        lines: list[str] = []
+        launched = spawn(cfg_path, Path(tmp), ready_timeout=ready_timeout)
         try:
-            assert proc.stdout is not None
-            deadline = time.monotonic() + ready_timeout
-            endpoints = None
-            while time.monotonic() < deadline:
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                lines.append(line)
-                if line.startswith("BLOCKD_READY "):
-                    endpoints = json.loads(line.split(" ", 1)[1])
-                    break
-            if endpoints is None:
-                raise RuntimeError("the embedded daemon did not start:\n" + "".join(lines))
-            # Keep draining its output so a chatty daemon never blocks on a full pipe.
-            threading.Thread(target=lambda: lines.extend(proc.stdout or ()),
-                             daemon=True).start()
-            yield f"unix:{endpoints['unix']}"
+            yield f"unix:{launched.endpoints['unix']}"
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            launched.stop(15)
 
 
 # -- the workload -----------------------------------------------------------------------------

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +13,7 @@ import yaml
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
+from blockd.launch import spawn
 from blockd.server.tenants_file import token_hash
 
 TOKENS = {"alice": "tok-alice", "bob": "tok-bob", "carol": "tok-carol", "dave": "tok-dave",
@@ -114,34 +110,8 @@ def start(workdir: Path, *, num_blocks: int = 64, lease_ms: int = 10_000,
         cfg.setdefault(section, {}).update(values)
     cfg_path = workdir / "blockd.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKD_")}
-    proc = subprocess.Popen([sys.executable, "-m", "blockd", "serve", "--config", str(cfg_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=workdir, env=env)
-    lines: list[str] = []
-    deadline = time.monotonic() + 30
-    endpoints = None
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("BLOCKD_READY "):
-            endpoints = json.loads(line.split(" ", 1)[1])
-            break
-    if endpoints is None:
-        proc.kill()
-        raise RuntimeError("daemon did not start:\n" + "".join(lines))
-    d = Daemon(proc, endpoints, workdir, tenants_path, lines)
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            d.lines.append(line)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return d
+    launched = spawn(cfg_path, workdir)
+    return Daemon(launched.proc, launched.endpoints, workdir, tenants_path, launched.lines)
 
 
 def attach(stub: pb_grpc.BlockdServiceStub, who: str, tenant: str,
