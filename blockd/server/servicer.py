@@ -154,8 +154,8 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         """A cheap upper bound of a Step's answer size, from counts alone (no op is applied).
 
         Per operation or batch entry at most ~120 bytes of status or result (ids, counts, an
-        error field path), plus 5 bytes per block id an admit or append can return, plus what an
-        answer echoes back (an admit's request_id).
+        error field path), plus 10 bytes per block an admit or append can hand out (its id in
+        a table and again in ``scrubbed_blocks``), plus what an answer echoes (request_ids).
         """
         B = self.d.spec.block_size
         entries = 0
@@ -174,7 +174,8 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                 blocks += len(op.append_batch.token_ids) // B + 2 * n
             elif kind == "fork":
                 entries += min(op.fork.num_children, 64)
-        return 256 + 120 * (len(req.operations) + entries) + 5 * blocks + echoed
+        # A new block id can appear twice: in a table and among the scrubbed blocks.
+        return 256 + 120 * (len(req.operations) + entries) + 10 * blocks + echoed
 
     def check(self) -> None:
         """With ``server.check_invariants``: assert the core's invariants after each call."""

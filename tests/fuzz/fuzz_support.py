@@ -85,7 +85,7 @@ TOO_LARGE_REQUEST = "SERVER: Received message larger than max"
 UNPARSEABLE = "Unexpected <class 'google.protobuf.message.DecodeError'>"
 
 #: grpc's answer when a handler's response exceeds max_message_bytes: the request was applied but
-#: its answer never arrives. Always a violation (finding F2; the daemon now bounds the answer
+#: its answer never arrives. Always a violation (findings F2, F5, F6; the daemon bounds the answer
 #: before applying a Step and refuses it with the status below).
 RESPONSE_TOO_LARGE = "SERVER: Sent message larger than max"
 #: The daemon's refusal of a Step whose answer could exceed max_message_bytes (nothing applied).

@@ -1,6 +1,6 @@
 """The daemon bugs the fuzz suite found, one minimal reproduction each (docs/fuzzing.md,
-"Findings"). F1-F4 were fixed in 6702f47 and stay as regression tests; F5 is open and FAILS until
-the daemon is fixed (no xfail on purpose).
+"Findings"). F1-F4 were fixed in 6702f47 and F5 in 2886a57; they stay as regression tests. F6 is
+open and FAILS until the daemon is fixed (no xfail on purpose).
 """
 
 from __future__ import annotations
@@ -166,14 +166,14 @@ def test_minted_ids_carry_at_least_128_random_bits(daemon) -> None:  # type: ign
 # -- F5 ----------------------------------------------------------------------------------------
 
 def test_step_answer_bound_covers_echoed_request_ids(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """F5 (open; found while checking the F2 fix). The answer bound that now guards a Step
+    """F5 (found while checking the F2 fix; fixed). The answer bound that guards a Step
     (``BlockdServicer._answer_bound``: 120 bytes per operation plus 5 per block) is not an upper
     bound: every AdmitResult echoes the admit's request_id (up to 128 bytes) next to the new
     22-character sequence id, ~165 bytes per admit. With max_message_bytes 256 KiB and a pool
     and quota that can hold the admits, a 239 KB Step of 1,650 one-token admits with 128-byte
-    request_ids passes the bound (~207 KB), is applied (1,650 sequences), and its 275 KB answer is
-    replaced by RESOURCE_EXHAUSTED "Sent message larger than max": F2 again. (Unreachable with
-    the default 16 MiB limit: 4,096 admits answer at most ~0.7 MB.)"""
+    request_ids passed the bound (~207 KB), was applied (1,650 sequences), and its 275 KB answer
+    was replaced by RESOURCE_EXHAUSTED "Sent message larger than max": F2 again. (Unreachable
+    with the default 16 MiB limit: 4,096 admits answer at most ~0.7 MB.)"""
     import copy
 
     from daemon_proc import TENANTS
@@ -194,6 +194,68 @@ def test_step_answer_bound_covers_echoed_request_ids(tmp_path) -> None:  # type:
         before = admin_stats(stub)
         try:
             stub.Step(req, metadata=md("alice"), timeout=60)
+        except grpc.RpcError as err:
+            assert err.code() == S.RESOURCE_EXHAUSTED, err
+            after = admin_stats(stub)
+            assert after.num_sequences == before.num_sequences, (
+                f"applied ({after.num_sequences} sequences), yet answered {err.details()!r}")
+    finally:
+        d.stop()
+
+
+# -- F6 ----------------------------------------------------------------------------------------
+
+def test_step_answer_bound_covers_scrubbed_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """F6 (open; found while checking the F5 fix). The answer bound counts 5 bytes per block id
+    an admit or append can return, but a block handed out after another tenant's use is listed
+    twice: in the block table and in StepResponse.scrubbed_blocks. With 60,000 blocks of 2
+    tokens (ids past 16,384 are 3-byte varints) and max_message_bytes 256 KiB, acme uses and
+    releases 50,000 blocks; globex's 100 KB Step admitting 100,000 tokens passes the bound
+    (~250 KB), is applied (a sequence holding 50,000 blocks), and its 267 KB answer (table and
+    scrubbed list, ~133 KB each) is replaced by RESOURCE_EXHAUSTED "Sent message larger than
+    max": F2 again. Needs small blocks (a request costs at least a byte per token) and a small
+    max_message_bytes or a pool of millions of blocks."""
+    import copy
+
+    from daemon_proc import TENANTS
+
+    tenants = copy.deepcopy(TENANTS)
+    for t in tenants["tenants"]:
+        t["quota_blocks"] = 60_000
+    d = start(tmp_path / "scrub-bound", num_blocks=60_000, tenants=tenants,
+              extra={"server": {"max_message_bytes": 256 * 1024, "grace_seconds": 0.2},
+                     "pool": {"block_size": 2, "num_layers": 1, "num_kv_heads": 1,
+                              "head_dim": 1}})
+    try:
+        stub = d.stub()
+        layout = pb.KvLayout(block_size=2, num_layers=1, num_kv_heads=1, head_dim=1,
+                             dtype=pb.KV_DTYPE_FLOAT16,
+                             kv_order=pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM, tp_size=1)
+        ns = pb.CacheNamespace(model_id="m")
+
+        def admit_op(n: int) -> pb.Operation:
+            return pb.Operation(admit=pb.AdmitOp(namespace=ns, token_ids=[1] * n,
+                                                 disable_prefix_cache=True))
+
+        a = stub.Attach(pb.AttachRequest(tenant_id="acme", layout=layout), metadata=md("alice"))
+        b = stub.Attach(pb.AttachRequest(tenant_id="globex", layout=layout), metadata=md("bob"))
+        # acme fills the pool (in Steps small enough to be answered), then releases it all:
+        # every block bob gets next was acme's and is scrubbed.
+        seqs = []
+        for step_id in range(1, 5):
+            r = stub.Step(pb.StepRequest(session_id=a.session_id, epoch=a.epoch,
+                                         step_id=step_id, operations=[admit_op(25_000)]),
+                          metadata=md("alice"))
+            seqs.append(r.results[0].admit.sequence_id)
+        stub.Step(pb.StepRequest(session_id=a.session_id, epoch=a.epoch, step_id=5,
+                                 operations=[pb.Operation(release=pb.ReleaseOp(sequence_id=s))
+                                             for s in seqs]),
+                  metadata=md("alice"))
+        req = pb.StepRequest(session_id=b.session_id, epoch=b.epoch, step_id=1,
+                             operations=[admit_op(100_000)])
+        before = admin_stats(stub)
+        try:
+            stub.Step(req, metadata=md("bob"), timeout=60)
         except grpc.RpcError as err:
             assert err.code() == S.RESOURCE_EXHAUSTED, err
             after = admin_stats(stub)
