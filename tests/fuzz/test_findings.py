@@ -1,6 +1,6 @@
 """The daemon bugs the fuzz suite found, one minimal reproduction each (docs/fuzzing.md,
-"Findings"). F1-F4 were fixed in 6702f47 and F5 in 2886a57; they stay as regression tests. F6 is
-open and FAILS until the daemon is fixed (no xfail on purpose).
+"Findings"). All were fixed (F1-F4 in 6702f47, F5 in 2886a57, F6 in 86712ee); they stay as
+regression tests.
 """
 
 from __future__ import annotations
@@ -206,13 +206,13 @@ def test_step_answer_bound_covers_echoed_request_ids(tmp_path) -> None:  # type:
 # -- F6 ----------------------------------------------------------------------------------------
 
 def test_step_answer_bound_covers_scrubbed_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """F6 (open; found while checking the F5 fix). The answer bound counts 5 bytes per block id
+    """F6 (found while checking the F5 fix; fixed). The answer bound counted 5 bytes per block id
     an admit or append can return, but a block handed out after another tenant's use is listed
     twice: in the block table and in StepResponse.scrubbed_blocks. With 60,000 blocks of 2
     tokens (ids past 16,384 are 3-byte varints) and max_message_bytes 256 KiB, acme uses and
-    releases 50,000 blocks; globex's 100 KB Step admitting 100,000 tokens passes the bound
-    (~250 KB), is applied (a sequence holding 50,000 blocks), and its 267 KB answer (table and
-    scrubbed list, ~133 KB each) is replaced by RESOURCE_EXHAUSTED "Sent message larger than
+    releases 50,000 blocks; globex's 100 KB Step admitting 100,000 tokens passed the bound
+    (~250 KB), was applied (a sequence holding 50,000 blocks), and its 267 KB answer (table and
+    scrubbed list, ~133 KB each) was replaced by RESOURCE_EXHAUSTED "Sent message larger than
     max": F2 again. Needs small blocks (a request costs at least a byte per token) and a small
     max_message_bytes or a pool of millions of blocks."""
     import copy
