@@ -46,7 +46,6 @@ import os
 import platform
 import queue
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -63,7 +62,7 @@ import yaml
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.launch import spawn
+from blockd.launch import spawn, terminate
 from blockd.server.tenants_file import token_hash
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -104,14 +103,7 @@ class DaemonProc:
         return f"http://{self.endpoints['metrics']}/metrics"
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc)
 
 
 def write_config(workdir: Path) -> Path:

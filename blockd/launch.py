@@ -28,15 +28,19 @@ class Launched:
     lines: MutableSequence[str] = field(default_factory=list)
 
     def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM (the daemon drains), then SIGKILL after ``timeout``; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
+
+
+def terminate(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
+    """SIGTERM (a daemon drains), then SIGKILL after ``timeout``; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def spawn(config: Path, cwd: Path, *, ready_timeout: float = 30.0,

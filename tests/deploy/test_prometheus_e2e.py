@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -22,6 +21,7 @@ from deploy_support import APT_HINT, DEPLOY, dashboard_queries, http_get, requir
 from promql_names import substitute_grafana
 
 from blockd.api.v1 import blockd_pb2 as pb
+from blockd.launch import terminate
 
 HIT = "blockd_prefix_cache_hit_tokens_total"
 QUERIED = "blockd_prefix_cache_queried_tokens_total"
@@ -70,14 +70,7 @@ class Prometheus:
         return float(result[0]["value"][1]) if result else None
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +12,7 @@ import yaml
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.launch import spawn
+from blockd.launch import spawn, terminate
 from blockd.server.tenants_file import token_hash
 
 TOKENS = {"alice": "tok-alice", "bob": "tok-bob", "carol": "tok-carol", "dave": "tok-dave",
@@ -78,14 +77,7 @@ class Daemon:
     def stop(self) -> int:
         for ch in self.channels:
             ch.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return terminate(self.proc)
 
     def log_text(self) -> str:
         return "".join(self.lines)
