@@ -130,7 +130,9 @@ class BlockdServiceServicer:
     def Step(self, request, context):
         """Step applies one scheduler iteration's operations (admit, append, fork, release, commit) in
         request order and returns one result per operation. Each operation is all-or-nothing; one
-        failing operation does not fail the others. A Step also renews the session's lease.
+        failing operation does not fail the others. A Step also renews the session's lease. A Step
+        whose answer could exceed the daemon's message size limit is refused as a whole with
+        RESOURCE_EXHAUSTED (8) before anything is applied: split it.
         StepRequest/StepResponse are shared with StepStream on purpose (see there).
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
