@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from colliding_hashers import ConstHasher, LenHasher
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -47,42 +48,6 @@ TENANTS = [
     TenantPolicy("g1", 64, sharing=Sharing.PRIVATE),
     TenantPolicy("public", 64, sharing=Sharing.PRIVATE),
 ]
-
-
-class LenHasher:
-    """Colliding key hash: the digest is the number of bytes fed, nothing about their values.
-
-    Every namespace root is 16 bytes, so block ``i`` of *every* prompt in *every* namespace gets
-    the same key.
-    """
-
-    def __init__(self, seed: int, n: int = 0) -> None:
-        self.n = n
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.n += memoryview(data).nbytes
-
-    def digest(self) -> bytes:
-        return self.n.to_bytes(16, "little")
-
-    def copy(self) -> LenHasher:
-        return LenHasher(0, self.n)
-
-
-class ConstHasher:
-    """The worst hash: every key is the same 16 bytes."""
-
-    def __init__(self, seed: int) -> None:
-        pass
-
-    def update(self, data: bytes | memoryview) -> None:
-        pass
-
-    def digest(self) -> bytes:
-        return b"\x42" * 16
-
-    def copy(self) -> ConstHasher:
-        return self
 
 
 def manager(hasher: object = None, num_blocks: int = 96,

@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import pytest
-import xxhash
+from colliding_hashers import LenHasher, TailHasher
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -60,47 +60,6 @@ SHARING_CHOICES = ["private", "group:g1", "group:g1", "group:g2", "public", "pub
 MAX_LIVE = 12
 
 Content = tuple[tuple, tuple[int, ...]]
-
-
-class LenHasher:
-    """A deliberately weak key hash: the digest depends only on how many bytes were fed.
-
-    Every block at the same position of any prompt, in any namespace, gets the same key, so the
-    manager's verification (stored tokens, parent, namespace) is all that keeps K/V apart.
-    """
-
-    def __init__(self, seed: int, n: int = 0) -> None:
-        self.n = n
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.n += memoryview(data).nbytes
-
-    def digest(self) -> bytes:
-        return self.n.to_bytes(16, "little")
-
-    def copy(self) -> LenHasher:
-        return LenHasher(0, self.n)
-
-
-class TailHasher:
-    """A colliding key hash that ignores everything before the last block: the key of block
-    ``i`` depends only on ``i`` and block ``i``'s own tokens, not on the earlier blocks or the
-    namespace. Two prompts that end a block alike but differ before collide, which is exactly
-    what parent verification must catch."""
-
-    chunk = 4
-
-    def __init__(self, seed: int, buf: bytes = b"") -> None:
-        self.buf = buf
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.buf += bytes(data)
-
-    def digest(self) -> bytes:
-        return len(self.buf).to_bytes(8, "little") + xxhash.xxh3_64_digest(self.buf[-self.chunk:])
-
-    def copy(self) -> TailHasher:
-        return type(self)(0, self.buf)
 
 
 def domain_of(sharing: str, tenant_id: str) -> str:
