@@ -70,7 +70,7 @@ CASES = [
     ("fence already complete", InvalidArgument, "fence",
      lambda m, s, q: m.release(s, q, fence=1)),
     ("fence going backwards", InvalidArgument, "fence",
-     lambda m, s, q: m.commit(s, q, fence=2) if False else m.append(s, q, [1], fence=2)),
+     lambda m, s, q: m.append(s, q, [1], fence=2)),
     ("fork of zero children", InvalidArgument, "num_children",
      lambda m, s, q: m.fork(s, q, 0)),
     ("fork of too many children", InvalidArgument, "num_children",
