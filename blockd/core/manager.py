@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -114,6 +114,8 @@ class Counters:
     scrubbed_blocks: int = 0
     allocated_blocks: int = 0
     released_blocks: int = 0
+    #: Sequences a snapshot found no committed token ids for (see ``blockd.core.snapshot``).
+    uncacheable_after_snapshot: int = 0
     alloc_failures: Counter[str] = field(default_factory=Counter)
 
 
@@ -168,6 +170,15 @@ class BlockManager:
         self._dup: dict[int, tuple[int, int]] = {}
         self._ns_cache: dict[tuple[PrefixScope, int], Namespace] = {}
         self._scrub_owner = [p.scrub_on_reuse for p in self.tenants.policies]
+        #: When a list: sequence ids minted since the caller last took them (the daemon's
+        #: journal records them). ``replay_ids``: ids to hand out instead (a journal replay).
+        self.minted: list[str] | None = None
+        self.replay_ids: deque[str] | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state["on_event"] = None  # a callback into the server; ``snapshot.load`` sets it
+        return state
 
     # -- tenants and sessions -----------------------------------------------------------------
 
@@ -834,7 +845,12 @@ class BlockManager:
         return seq
 
     def _new_seq_id(self) -> str:
-        return secrets.token_urlsafe(16)  # 128 random bits, as the API promises
+        if self.replay_ids is not None:
+            return self.replay_ids.popleft()
+        seq_id = secrets.token_urlsafe(16)  # 128 random bits, as the API promises
+        if self.minted is not None:
+            self.minted.append(seq_id)
+        return seq_id
 
     # -- invariants ---------------------------------------------------------------------------
 

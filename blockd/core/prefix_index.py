@@ -42,6 +42,10 @@ _GEN_MASK = 0xFFFFFFFF
 HashFactory = Callable[[int], "xxhash.xxh3_128"]
 
 
+def _xxh3(seed: int) -> xxhash.xxh3_128:
+    return xxhash.xxh3_128(seed=seed)
+
+
 class PrefixIndex:
     """Key -> block map plus, per block, what a hit must match to be accepted."""
 
@@ -52,7 +56,7 @@ class PrefixIndex:
         self.chunk_bytes = 4 * block_size
         self._seed = seed
         # Tests inject a weak hash here to force collisions; production uses keyed XXH3-128.
-        self._new_hasher: HashFactory = hasher_factory or (lambda s: xxhash.xxh3_128(seed=s))
+        self._new_hasher: HashFactory = hasher_factory or _xxh3
         self.map: dict[bytes, int] = {}
         #: The key a block is indexed under (None: not indexed).
         self.key: list[bytes | None] = [None] * num_blocks
@@ -66,6 +70,21 @@ class PrefixIndex:
         self.parent_gen = array("I", bytes(4 * num_blocks))
         #: Interned namespace id (0: not indexed).
         self.ns = array("I", bytes(4 * num_blocks))
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        if state["_new_hasher"] is not _xxh3:
+            state["_new_hasher"] = None  # a test's weak hash: ``snapshot.load`` re-injects it
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if self._new_hasher is None:
+            self._new_hasher = _xxh3
+
+    def set_hasher_factory(self, hasher_factory: HashFactory) -> None:
+        """Tests only: the weak hash of a restored snapshot (see ``blockd.core.snapshot``)."""
+        self._new_hasher = hasher_factory
 
     # -- keys ---------------------------------------------------------------------------------
 
