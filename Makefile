@@ -26,14 +26,15 @@ test: $(STAMP)
 
 ## Longer randomised runs of the property tests (not part of `make test`).
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/core -k "state_machine or partition"
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/fuzz
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q --timeout=0 tests/core -k "state_machine or partition or preemption"
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q --timeout=0 tests/fuzz
 
 ## Benchmarks: numbers to bench/results/*.json, plots to bench/results/*.png.
 bench: $(STAMP)
 	$(PY) bench/core_replay.py
 	$(PY) bench/seeds_numbers.py
 	$(PY) bench/grpc_step.py
+	$(PY) bench/journal_overhead.py
 	$(PY) bench/cpu_paged_vs_sdpa.py
 
 proto: $(STAMP)

@@ -47,6 +47,10 @@ class ServerConfig:
     #: Check every invariant of the block manager after each mutating call (O(num_blocks):
     #: for tests and debugging; a violation is logged and answered with INTERNAL).
     check_invariants: bool = False
+    #: Check every invariant every this many milliseconds, between calls (0: never). Cheaper
+    #: than ``check_invariants`` under load; violations are logged and counted in
+    #: ``blockd_invariant_violations_total``, and the daemon keeps serving.
+    invariant_check_interval_ms: float = 0.0
     #: Also serve ``/blockd.bench.Echo/Echo`` (returns its request bytes): the transport
     #: baseline the Step benchmark compares against. Off in production.
     enable_echo: bool = False
@@ -91,6 +95,16 @@ class CacheConfig:
     enable_prefix_cache: bool = True
     #: Zero every reused block, whatever the tenants' policies say.
     scrub_always: bool = False
+    #: When the pool is exhausted: "priority" preempts running sequences of strictly lower
+    #: (tenant priority, request priority) to make room (docs/decisions.md, "Daemon-side
+    #: preemption"); "off" only answers RESOURCE_EXHAUSTED and leaves preemption to workers.
+    preemption: str = "priority"
+
+    def __post_init__(self) -> None:
+        if self.preemption not in ("priority", "off"):
+            raise InvalidArgument(
+                f"cache.preemption must be 'priority' or 'off', got {self.preemption!r}",
+                field="cache.preemption")
 
 
 @dataclass(frozen=True)
@@ -144,6 +158,21 @@ class EventsConfig:
 
 
 @dataclass(frozen=True)
+class StateConfig:
+    """Crash recovery: where the pool and the journal outlive the daemon process."""
+
+    #: A private directory (created 0700) on a tmpfs, e.g. a Kubernetes emptyDir with
+    #: ``medium: Memory``. The host pool, the fence pages, the snapshot and the journal live
+    #: there, so a daemon restarted after a crash (even ``kill -9``) resumes with the same
+    #: epoch, sequences and cached prefixes. Empty: no recovery (an anonymous pool; a restart
+    #: starts a new epoch).
+    dir: str = ""
+    #: Journal bytes that trigger a snapshot (compaction); at least twice the last snapshot's
+    #: size, so compaction costs O(1) per journalled byte.
+    snapshot_min_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
 class LogConfig:
     #: DEBUG, INFO, WARNING or ERROR.
     level: str = "INFO"
@@ -162,6 +191,7 @@ class Config:
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    state: StateConfig = field(default_factory=StateConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,9 +7,10 @@ finished sequence and admits a new one in its place, all on one long-lived StepS
 advance every step; the worker publishes completion through Heartbeat-free ``completed_fence``.
 
 Bounded in count and time, loopback or Unix socket only. Reports steps/s, p50/p99 Step latency
-and every non-OK status; with ``--check`` it also asks the daemon's Stats after the run that
-every block is accounted for (the daemon itself checks its invariants after each call when
-started with ``server.check_invariants``).
+and every non-OK status. With ``--metrics URL`` it also reads the daemon's invariant-check
+counters before and after the run (a daemon started with ``server.invariant_check_interval_ms``
+checks every invariant periodically, between calls; ``server.check_invariants`` checks after
+every call) and reports how many checks ran during the load and how many failed.
 """
 
 from __future__ import annotations
@@ -133,8 +134,26 @@ def _worker(index: int, args: dict[str, Any], out: Any) -> None:
                              **pressure}))
 
 
+def scrape_counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Values of the named (unlabelled) metrics in a Prometheus text exposition."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[name] = float(value)
+    return out
+
+
+INVARIANT_COUNTERS = ("blockd_invariant_checks_total", "blockd_invariant_violations_total")
+
+
 def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration: float,
-        layout: dict[str, int], max_steps: int = 10**7) -> dict[str, Any]:
+        layout: dict[str, int], max_steps: int = 10**7, metrics_url: str = ""
+        ) -> dict[str, Any]:
+    before = scrape_counters(metrics_url, INVARIANT_COUNTERS) if metrics_url else {}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     args = {"target": target, "token": token, "tenant": tenant, "seqs": seqs,
@@ -167,7 +186,14 @@ def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration:
     steps = sum(r["steps"] for r in results.values())
     preempted = sum(r["preempted"] for r in results.values())
     waits = sum(r["admission_waits"] for r in results.values())
-    return {
+    checks: dict[str, Any] = {}
+    if metrics_url:
+        after = scrape_counters(metrics_url, INVARIANT_COUNTERS)
+        checks = {"invariant_checks": int(after.get(INVARIANT_COUNTERS[0], 0)
+                                          - before.get(INVARIANT_COUNTERS[0], 0)),
+                  "invariant_violations": int(after.get(INVARIANT_COUNTERS[1], 0)
+                                              - before.get(INVARIANT_COUNTERS[1], 0))}
+    return {**checks,
         "workers": workers, "workers_finished": len(results), "seqs_per_worker": seqs,
         "duration_s": duration, "steps": steps, "steps_per_s": steps / duration,
         "step_p50_ms": statistics.median(lat) * 1e3 if lat else None,
@@ -187,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", default='{"block_size": 16, "num_layers": 4, "num_kv_heads": 4, '
                    '"head_dim": 64, "dtype": 2, "kv_order": 1, "tp_size": 1}',
                    help="the pool's KvLayout as JSON (proto field names and enum numbers)")
+    p.add_argument("--metrics", default="",
+                   help="the daemon's metrics URL: report its invariant checks during the run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     target = args.target
@@ -194,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (target.startswith("unix:") or host in ("127.0.0.1", "localhost", "[::1]")):
         p.error("--target must be a Unix socket or a loopback address")
     res = run(target, args.token, args.tenant, args.workers, args.seqs,
-              min(args.duration, 3600.0), json.loads(args.layout))
+              min(args.duration, 3600.0), json.loads(args.layout), metrics_url=args.metrics)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
@@ -202,5 +230,9 @@ def main(argv: list[str] | None = None) -> int:
               f"sequences for {res['duration_s']:.0f} s: {res['steps_per_s']:.0f} steps/s, "
               f"Step p50 {res['step_p50_ms']:.2f} ms, p99 {res['step_p99_ms']:.2f} ms; "
               f"preempted {res['preempted']}, admission waits {res['admission_waits']}; "
-              f"errors {res['errors_by_code'] or 'none'}")
-    return 0 if res["workers_finished"] == res["workers"] and not res["errors_by_code"] else 1
+              f"errors {res['errors_by_code'] or 'none'}"
+              + (f"; invariant checks {res['invariant_checks']}, violations "
+                 f"{res['invariant_violations']}" if "invariant_checks" in res else ""))
+    ok = (res["workers_finished"] == res["workers"] and not res["errors_by_code"]
+          and not res.get("invariant_violations"))
+    return 0 if ok else 1

@@ -5,6 +5,7 @@ All policy lives here and is tested on the CPU; the server only converts protobu
 
 from blockd.core.allocator import STATE_NAMES, BlockAllocator
 from blockd.core.errors import (
+    Aborted,
     BlockdError,
     FailedPrecondition,
     Internal,
@@ -30,6 +31,7 @@ from blockd.core.tenants import Sharing, TenantPolicy
 
 __all__ = [
     "STATE_NAMES",
+    "Aborted",
     "AdmitResult",
     "AppendResult",
     "BlockAllocator",

@@ -94,6 +94,13 @@ class FailedPrecondition(BlockdError):
     status = StatusCode.FAILED_PRECONDITION
 
 
+class Aborted(BlockdError):
+    """The operation names a sequence the daemon preempted for a higher-priority request: it
+    no longer exists, and the worker must re-admit it (its prompt plus what it generated)."""
+
+    status = StatusCode.ABORTED
+
+
 class Unavailable(BlockdError):
     """The daemon is draining or not ready."""
 

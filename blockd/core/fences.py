@@ -46,6 +46,15 @@ class Session:
     #: (fence, kind, payload) in issue order; payload is a list of block ids (RELEASE) or a
     #: CommitBatch (COMMIT).
     waiting: deque[tuple[int, int, object]] = field(default_factory=deque)
+    #: Live sequences of this session (bounds the preemption notices one answer can carry).
+    num_sequences: int = 0
+    #: Sequences of this session preempted for a higher-priority request that the worker has
+    #: not been told about yet, oldest first (drained into its next StepResponse).
+    preempted: list[str] = field(default_factory=list)
+    #: Recently preempted sequence ids (an insertion-ordered set, at most
+    #: ``blockd.core.preemption.MAX_REMEMBERED``, oldest dropped first): an operation naming one
+    #: is ABORTED rather than NOT_FOUND.
+    preempted_ids: dict[str, None] = field(default_factory=dict)
 
     def is_complete(self, fence: int) -> bool:
         return fence <= self.completed

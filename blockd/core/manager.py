@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from blockd.core import preemption as _preemption
 from blockd.core.allocator import (
     CACHED,
     COMMITTED,
@@ -31,6 +32,7 @@ from blockd.core.allocator import (
     BlockAllocator,
 )
 from blockd.core.errors import (
+    Aborted,
     BlockdError,
     FailedPrecondition,
     Internal,
@@ -54,8 +56,10 @@ class DoesNotFit:
     """An allocation that cannot be satisfied; nothing was changed.
 
     ``reason`` is a bounded label: ``"quota"`` (the tenant's quota, after evicting its own
-    cached blocks), ``"pool"`` (free plus evictable blocks), or ``"guarantee"`` (blocks kept for
-    other tenants' guaranteed minimums).
+    cached blocks), ``"pool"`` (free plus evictable blocks), ``"guarantee"`` (blocks kept for
+    other tenants' guaranteed minimums), or ``"preempting"``: lower-priority sequences were
+    just preempted to make room, and their blocks become reusable once their workers' fences
+    complete (retry then). Only a ``"preempting"`` answer changed anything: the preemptions.
     """
 
     reason: str
@@ -117,6 +121,8 @@ class Counters:
     #: Sequences a snapshot found no committed token ids for (see ``blockd.core.snapshot``).
     uncacheable_after_snapshot: int = 0
     alloc_failures: Counter[str] = field(default_factory=Counter)
+    #: Sequences preempted for a higher-priority request, by the victim's tenant id.
+    preemptions: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +152,11 @@ class BlockManager:
         scrub_always: bool = False,
         hasher_factory: HashFactory | None = None,
         on_event: EventSink | None = None,
+        preemption: str = "priority",
     ) -> None:
+        if preemption not in ("priority", "off"):
+            raise InvalidArgument(f"preemption must be 'priority' or 'off', got {preemption!r}",
+                                  field="preemption")
         self.spec = spec
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
@@ -155,6 +165,8 @@ class BlockManager:
         self.seed = secrets.randbits(64) if seed is None else seed
         self.enable_prefix_cache = enable_prefix_cache
         self.scrub_always = scrub_always
+        #: Preempt lower-priority sequences when the pool is exhausted (``blockd.core.preemption``).
+        self.preempt = preemption == "priority"
         self.alloc = BlockAllocator(spec.num_blocks, max(1, len(self.tenants)))
         self.index = PrefixIndex(spec.num_blocks, spec.block_size, self.seed, hasher_factory)
         self.namespaces = NamespaceTable(self.seed)
@@ -283,14 +295,26 @@ class BlockManager:
             hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // B)
         need = -(-length // B) - len(hits)
         verdict = self._fits(session.tenant, need, hits)
+        held = False
+        if verdict is not None and verdict.reason == "pool" and self.preempt:
+            # A victim may hold the last other reference to this namespace: keep it alive.
+            self.namespaces.incref(ns)
+            held = True
+            requester = (self.tenants.policies[session.tenant].priority, priority)
+            verdict = self._make_room(session.tenant, requester, need, hits, None, verdict)
         if verdict is not None:
-            self.namespaces.release_if_unused(ns)
+            if held:
+                self.namespaces.decref(ns)
+            else:
+                self.namespaces.release_if_unused(ns)
             self.counters.alloc_failures[verdict.reason] += 1
             return verdict
-        # -- commit point: nothing above changed any state --
+        # -- commit point: nothing above changed any state (but preemptions) --
         # The sequence's namespace reference is taken before allocating: an eviction may drop
         # the last other reference to this very namespace, whose id would then be recycled.
         self.namespaces.incref(ns)
+        if held:
+            self.namespaces.decref(ns)  # the sequence's reference keeps it
         self._touch(hits)
         new = self._allocate(session.tenant, need)
         stream = None
@@ -310,6 +334,7 @@ class BlockManager:
             seq.tokens = bytearray(raw[len(hits) * self.index.chunk_bytes:])
         seq.num_tokens = length
         self.sequences[seq.id] = seq
+        session.num_sequences += 1
         self.counters.queried_tokens += length
         self.counters.hit_tokens += len(hits) * B
         return AdmitResult(seq.id, len(hits) * B, seq.table.tolist(), length)
@@ -366,23 +391,24 @@ class BlockManager:
                             seq.tokens += token_bytes[4 * i:4 * i + 4]
                         seq.num_tokens = num_tokens[i] = old + 1
                         continue
-                self._append_entry(session, seq, i, token_bytes[4 * i:4 * i + 4], fence, out)
+                self._append_entry(session, seq, i, token_bytes[4 * i:4 * i + 4], fence, out,
+                                   seq_id)
         else:
             off = 0
             for i, seq_id in enumerate(seq_ids):
                 c = counts[i]
                 self._append_entry(session, get(seq_id), i, token_bytes[off:off + 4 * c],
-                                   fence, out)
+                                   fence, out, seq_id)
                 off += 4 * c
         if len(out.errors) < n:
             session.issued = max(session.issued, fence)
         return out
 
     def _append_entry(self, session: Session, seq: Sequence | None, i: int, raw: bytes,
-                      fence: int, out: BatchAppend) -> None:
+                      fence: int, out: BatchAppend, seq_id: str = "") -> None:
         """One entry of ``append_batch`` through the general path."""
         if seq is None:
-            out.errors.append((i, NotFound("unknown sequence", field="sequence_id")))
+            out.errors.append((i, self._missing(session, seq_id)))
             return
         if seq.session != session.id:
             out.errors.append((i, PermissionDenied("the sequence belongs to another session",
@@ -409,6 +435,9 @@ class BlockManager:
         need = -(-(old_len + n) // B) - old_blocks + cow
         if need:
             verdict = self._fits(seq.tenant, need, ())
+            if verdict is not None and verdict.reason == "pool" and self.preempt:
+                verdict = self._make_room(seq.tenant, _preemption.priority_of(self, seq), need,
+                                          (), seq.id, verdict)
             if verdict is not None:
                 self.counters.alloc_failures[verdict.reason] += 1
                 return verdict
@@ -451,6 +480,7 @@ class BlockManager:
             children.append(child.id)
         for b in parent.table:
             ref[b] += num_children
+        session.num_sequences += num_children
         self.namespaces.incref(parent.ns, num_children)
         return children
 
@@ -613,8 +643,13 @@ class BlockManager:
 
     # -- internals: fit, allocation, eviction -------------------------------------------------
 
-    def _fits(self, tenant: int, need: int, hits: Seq[int]) -> DoesNotFit | None:
-        """Whether ``need`` new blocks fit for ``tenant`` once ``hits`` are revived."""
+    def _fits(self, tenant: int, need: int, hits: Seq[int], extra: int = 0,
+              freed: Seq[int] | None = None) -> DoesNotFit | None:
+        """Whether ``need`` new blocks fit for ``tenant`` once ``hits`` are revived.
+
+        ``extra`` and ``freed`` ask a hypothetical question (preemption): ``extra`` more blocks
+        reusable, ``freed[slot]`` of them released by tenant ``slot`` (no longer live).
+        """
         if need <= 0:
             return None
         alloc = self.alloc
@@ -623,19 +658,21 @@ class BlockManager:
         # Cached blocks about to be hit leave the LRU: they are no longer evictable.
         hit_cached = [b for b in hits if state[b] == CACHED]
         own_hit_cached = sum(1 for b in hit_cached if owner[b] == tenant)
-        available = alloc.num_free + alloc.num_cached - len(hit_cached)
+        available = alloc.num_free + alloc.num_cached - len(hit_cached) + extra
         if available < need:
             return DoesNotFit("pool", need, available)
         policy = self.tenants.policies[tenant]
         over = alloc.usage[tenant] + need - policy.quota_blocks
-        own_evictable = alloc.cached[tenant] - own_hit_cached
+        # Blocks of its own that a preemption frees stop counting against the quota once
+        # their fences complete (they are then free, or cached and evictable).
+        own_evictable = alloc.cached[tenant] - own_hit_cached + (freed[tenant] if freed else 0)
         if over > own_evictable:
             return DoesNotFit("quota", need, policy.quota_blocks - alloc.usage[tenant]
                               + own_evictable)
         reserved = 0
         for slot, p in enumerate(self.tenants.policies):
             if slot != tenant and p.guaranteed_blocks:
-                live = alloc.usage[slot] - alloc.cached[slot]
+                live = alloc.usage[slot] - alloc.cached[slot] - (freed[slot] if freed else 0)
                 reserved += max(0, p.guaranteed_blocks - live)
         if reserved and available - reserved < need:
             return DoesNotFit("guarantee", need, max(0, available - reserved))
@@ -690,12 +727,57 @@ class BlockManager:
             ref[b] += 1
             state[b] = COMMITTED
 
+    # -- internals: preemption ----------------------------------------------------------------
+
+    def _make_room(self, tenant: int, requester: _preemption.Priority, need: int,
+                   hits: Seq[int], exclude: str | None, verdict: DoesNotFit
+                   ) -> DoesNotFit | None:
+        """After a ``"pool"`` refusal: preempt lower-priority sequences if that makes ``need``
+        blocks fit (``blockd.core.preemption``). None: it fits now; ``verdict`` unchanged when
+        nothing was preempted; ``"preempting"`` while the victims' blocks wait for fences."""
+        victims = _preemption.choose_victims(self, tenant, requester, need, hits, exclude)
+        if not victims:
+            return verdict
+        self._preempt(victims)
+        after = self._fits(tenant, need, hits)
+        if after is None:
+            return None
+        return DoesNotFit("preempting", need, after.available)
+
+    def _preempt(self, victims: Iterable[Sequence]) -> None:
+        """Release each victim like a ReleaseOp of its own worker with fence 0 (under its
+        session's latest announced fence: its kernels may still read the blocks) and leave a
+        notice for that worker's next StepResponse."""
+        policies = self.tenants.policies
+        for seq in victims:
+            session = self.sessions[seq.session]
+            self._release(session, seq, session.issued)
+            session.preempted.append(seq.id)
+            ids = session.preempted_ids
+            ids[seq.id] = None
+            if len(ids) > _preemption.MAX_REMEMBERED:
+                del ids[next(iter(ids))]
+            self.counters.preemptions[policies[seq.tenant].tenant_id] += 1
+
+    def take_preempted(self, session_id: str, limit: int | None = None) -> list[str]:
+        """Sequences of the session preempted since the last call, oldest first; at most
+        ``limit`` (the rest stay for the next call)."""
+        session = self._session(session_id)
+        pending = session.preempted
+        if not pending:
+            return []
+        n = len(pending) if limit is None else max(0, limit)
+        out = pending[:n]
+        del pending[:n]
+        return out
+
     # -- internals: releases and fences -------------------------------------------------------
 
     def _release(self, session: Session, seq: Sequence, fence: int) -> int:
         table = seq.table
         self._drop_refs(session, table, fence)
         del self.sequences[seq.id]
+        session.num_sequences -= 1
         self.namespaces.decref(seq.ns)
         self.counters.released_blocks += len(table)
         return len(table)
@@ -838,11 +920,19 @@ class BlockManager:
     def _sequence(self, session: Session, seq_id: str) -> Sequence:
         seq = self.sequences.get(seq_id)
         if seq is None:
-            raise NotFound("unknown sequence", field="sequence_id")
+            raise self._missing(session, seq_id)
         if seq.session != session.id:
             raise PermissionDenied("the sequence belongs to another session",
                                    field="sequence_id")
         return seq
+
+    @staticmethod
+    def _missing(session: Session, seq_id: str) -> BlockdError:
+        """The error for a sequence id this session does not hold (any more)."""
+        if seq_id in session.preempted_ids:
+            return Aborted("the sequence was preempted by a higher-priority request and must "
+                           "be re-admitted", field="sequence_id")
+        return NotFound("unknown sequence", field="sequence_id")
 
     def _new_seq_id(self) -> str:
         if self.replay_ids is not None:
@@ -864,8 +954,10 @@ class BlockManager:
             assert len(seq.table) == -(-seq.num_tokens // self.block_size), seq.id
             assert len(set(seq.table)) == len(seq.table), "a table names a block twice"
             refs.update(seq.table)
+        per_session = Counter(seq.session for seq in self.sequences.values())
         pends: Counter[int] = Counter()
         for session in self.sessions.values():
+            assert session.num_sequences == per_session[session.id], session.id
             last = 0
             for f, kind, payload in session.waiting:
                 assert f >= last, "fence queue out of order"

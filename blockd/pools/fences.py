@@ -3,11 +3,14 @@
 The worker writes the highest fence whose GPU work is done as a little-endian uint64 at offset
 0 of its page; the daemon polls it (no RPC per step needed) and retires PENDING blocks. Each
 session gets its own memfd, so a worker can only ever advance its own fences: a shared page for
-all sessions would let one worker release another's blocks early.
+all sessions would let one worker release another's blocks early. With crash recovery on, the
+page is a file in the daemon's private state directory instead, so a restarted daemon reads
+the page its workers still write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -19,12 +22,18 @@ _U64 = struct.Struct("<Q")
 class FencePage:
     """The daemon's side of one session's fence page."""
 
-    __slots__ = ("fd", "map")
+    __slots__ = ("fd", "map", "path")
 
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("blockd-fence", os.MFD_CLOEXEC)
+    def __init__(self, path: str | None = None) -> None:
+        """An anonymous page, or the file ``path`` (created, or reopened as it is)."""
+        self.path = path
+        if path is None:
+            self.fd = os.memfd_create("blockd-fence", os.MFD_CLOEXEC)
+        else:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(self.fd, PAGE_BYTES)
+            if os.fstat(self.fd).st_size != PAGE_BYTES:
+                os.ftruncate(self.fd, PAGE_BYTES)
             self.map = mmap.mmap(self.fd, PAGE_BYTES, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -35,9 +44,13 @@ class FencePage:
         """The fence the worker last published (0 before it published anything)."""
         return int(_U64.unpack_from(self.map, 0)[0])
 
-    def close(self) -> None:
+    def close(self, unlink: bool = False) -> None:
+        """Unmap; ``unlink`` also removes a file-backed page (its session has ended)."""
         self.map.close()
         os.close(self.fd)
+        if unlink and self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 def publish(page: mmap.mmap | memoryview, fence: int) -> None:

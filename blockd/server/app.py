@@ -59,7 +59,15 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         ("grpc.max_send_message_length", sc.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_BlockdServiceServicer_to_server(BlockdServicer(daemon, metrics), server)
+    servicer = BlockdServicer(daemon, metrics)
+    try:
+        daemon.recover(servicer.apply_step)
+    except BaseException:
+        daemon.close()
+        if publisher is not None:
+            publisher.stop()
+        raise
+    pb_grpc.add_BlockdServiceServicer_to_server(servicer, server)
     if sc.enable_echo:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             "blockd.bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(_echo)}),))
@@ -137,8 +145,21 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             except Exception:
                 log.exception("polling fence pages failed")
 
+    async def invariant_checker() -> None:
+        interval = sc.invariant_check_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            metrics.invariant_checks += 1
+            try:
+                daemon.manager.check_invariants()
+            except AssertionError as exc:
+                metrics.invariant_violations += 1
+                log.error("invariant violated: %s", exc)
+
     reap_task = asyncio.create_task(reaper())
     poll_task = asyncio.create_task(fence_poller())
+    check_task = (asyncio.create_task(invariant_checker())
+                  if sc.invariant_check_interval_ms > 0 else None)
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -155,6 +176,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     await server.stop(1.0)
     reap_task.cancel()
     poll_task.cancel()
+    if check_task is not None:
+        check_task.cancel()
     if publisher is not None:
         daemon.events.remove_listener(publisher.submit)
         await asyncio.to_thread(publisher.stop)  # flushes the last batch; off the event loop

@@ -44,6 +44,9 @@ class Metrics:
                                       buckets=STEP_BUCKETS, registry=self.registry)
         #: Per-operation errors by status name (a bounded label set).
         self.op_errors: Counter[str] = Counter()
+        #: Periodic invariant checks (``server.invariant_check_interval_ms``) and failures.
+        self.invariant_checks = 0
+        self.invariant_violations = 0
 
     def bind(self, daemon: Daemon) -> None:
         self.registry.register(_DaemonCollector(daemon, self))
@@ -89,14 +92,38 @@ class _DaemonCollector(Collector):
                                   value=c.allocated_blocks)
         fail = CounterMetricFamily("blockd_allocation_failures",
                                    "Allocations that did not fit, by reason.", labels=["reason"])
-        for reason in ("pool", "quota", "guarantee"):
+        for reason in ("pool", "quota", "guarantee", "preempting"):
             fail.add_metric([reason], c.alloc_failures.get(reason, 0))
         yield fail
+        preempted = CounterMetricFamily(
+            "blockd_preemptions",
+            "Running sequences preempted for a higher-priority request, by the victim's tenant.",
+            labels=["tenant"])
+        for slot, policy in enumerate(m.tenants.policies):
+            if m.tenants.active[slot]:
+                preempted.add_metric([policy.tenant_id],
+                                     c.preemptions.get(policy.tenant_id, 0))
+        yield preempted
         errs = CounterMetricFamily("blockd_operation_errors",
                                    "Step operations that failed, by status.", labels=["code"])
         for code, n in sorted(self.metrics.op_errors.items()):
             errs.add_metric([code], n)
         yield errs
+        yield CounterMetricFamily("blockd_invariant_checks",
+                                  "Periodic checks of every block-manager invariant.",
+                                  value=self.metrics.invariant_checks)
+        yield CounterMetricFamily("blockd_invariant_violations",
+                                  "Periodic invariant checks that failed (see the log).",
+                                  value=self.metrics.invariant_violations)
+        if d.store is not None:
+            yield GaugeMetricFamily("blockd_journal_bytes",
+                                    "Bytes journalled since the last snapshot.",
+                                    value=d.journal.size if d.journal is not None else 0)
+            yield CounterMetricFamily("blockd_snapshots", "Snapshots written (compactions).",
+                                      value=d.snapshots)
+            yield GaugeMetricFamily("blockd_last_snapshot_seconds",
+                                    "Time the last snapshot held the event loop.",
+                                    value=d.last_snapshot_seconds)
         yield GaugeMetricFamily("blockd_pending_blocks",
                                 "Blocks waiting for a fence before reuse.",
                                 value=counts["pending"])

@@ -33,6 +33,7 @@ from blockd.core.errors import (
     StatusCode,
 )
 from blockd.core.manager import DoesNotFit
+from blockd.core.preemption import REASON as PREEMPT_REASON
 from blockd.server import convert
 from blockd.server.daemon import Daemon, SessionInfo
 from blockd.server.events import CLEARED, REMOVED, STORED, Event
@@ -43,6 +44,12 @@ log = logging.getLogger("blockd.servicer")
 T = TypeVar("T")
 
 _BLOCK_STATE = {name: getattr(pb, f"BLOCK_STATE_{name.upper()}") for name in STATE_NAMES}
+
+#: An upper bound of one preemption notice's encoded size: a minted 22-character sequence id,
+#: the reason label and protobuf framing. Every pending notice goes into the session's next
+#: answer: a worker must learn of a preemption before it launches that Step's kernels, since
+#: the victim's blocks are reusable once the fence it reports completes.
+PREEMPTED_NOTICE_BYTES = 48
 
 
 def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -116,8 +123,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                         ) -> pb.HeartbeatResponse:
         info = self._session(request.session_id, context, request.epoch)
         if request.completed_fence:
-            self.m.complete_fence(info.id, request.completed_fence)
-            self.d.note_fences(info, 0)
+            self.d.complete_fence(info, request.completed_fence)
         self.d.renew(info)
         expires = time.time() + info.lease_ms / 1000
         return pb.HeartbeatResponse(lease_expires_unix_ms=int(expires * 1000),
@@ -150,12 +156,14 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             log.exception("internal error in StepStream")
             await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by blockd)")
 
-    def _answer_bound(self, req: pb.StepRequest) -> int:
+    def _answer_bound(self, req: pb.StepRequest, session_id: str) -> int:
         """A cheap upper bound of a Step's answer size, from counts alone (no op is applied).
 
         Per operation or batch entry at most ~120 bytes of status or result (ids, counts, an
         error field path), plus 10 bytes per block an admit or append can hand out (its id in
-        a table and again in ``scrubbed_blocks``), plus what an answer echoes (request_ids).
+        a table and again in ``scrubbed_blocks``), plus what an answer echoes (request_ids),
+        plus every preemption notice the answer can carry: those pending for the session and one
+        per sequence of the session (the step's own admits may preempt any of them).
         """
         B = self.d.spec.block_size
         entries = 0
@@ -175,7 +183,9 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             elif kind == "fork":
                 entries += min(op.fork.num_children, 64)
         # A new block id can appear twice: in a table and among the scrubbed blocks.
-        return 256 + 120 * (len(req.operations) + entries) + 10 * blocks + echoed
+        core = self.m.sessions[session_id]
+        notices = PREEMPTED_NOTICE_BYTES * (len(core.preempted) + core.num_sequences)
+        return 256 + 120 * (len(req.operations) + entries) + 10 * blocks + echoed + notices
 
     def check(self) -> None:
         """With ``server.check_invariants``: assert the core's invariants after each call."""
@@ -183,7 +193,6 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             self.m.check_invariants()
 
     def _step(self, req: pb.StepRequest, context: Any) -> pb.StepResponse:
-        t0 = time.perf_counter()
         info = self._session(req.session_id, context, req.epoch)
         if req.step_id == 0:
             raise InvalidArgument("step_id must be >= 1", field="step_id")
@@ -196,7 +205,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         limit = self.d.cfg.server.max_operations_per_step
         if len(req.operations) > limit:
             raise InvalidArgument(f"more than {limit} operations", field="operations")
-        bound = self._answer_bound(req)
+        bound = self._answer_bound(req, info.id)
         if bound > self.d.cfg.server.max_message_bytes:
             # Checked before anything is applied: an answer that cannot be sent would leave the
             # worker with a Step applied that it never learns about.
@@ -204,8 +213,21 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                 f"the answer could reach {bound} bytes, over max_message_bytes "
                 f"({self.d.cfg.server.max_message_bytes}): split the Step", reason="message",
                 field="operations")
-        sid = info.id
         self.d.poll_fence(info)
+        return self.apply_step(info, req)
+
+    def apply_step(self, info: SessionInfo, req: pb.StepRequest) -> pb.StepResponse:
+        """Apply a validated Step and journal it; also how a restarted daemon replays one.
+
+        A replay (``self.d.replaying``) rebuilds the same answer (a retried step_id gets it)
+        without the side effects that already happened: the scrubbed blocks are not zeroed
+        again (workers wrote to them since), and the per-request limits of the configuration
+        are not re-applied (the Step was accepted under the limits in force then).
+        """
+        t0 = time.perf_counter()
+        sid = info.id
+        if self.m.minted:
+            self.m.minted.clear()
         self.m.begin_step(sid, req.fence, req.completed_fence)
         self.d.note_fences(info, req.fence)
         resp = pb.StepResponse(step_id=req.step_id, epoch=self.d.epoch)
@@ -239,18 +261,22 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                 result.status.message = err.message
                 result.status.field = prefix + convert.proto_field(err.field)
                 self.metrics.op_errors[err.status.name] += 1
+        for seq_id in self.m.take_preempted(sid):
+            resp.preempted.add(sequence_id=seq_id, reason=PREEMPT_REASON)
         scrub = self.m.take_scrubbed()
         if scrub:
-            self.d.pool.zero_blocks(scrub)
+            if not self.d.replaying:
+                self.d.pool.zero_blocks(scrub)
             resp.scrubbed_blocks.extend(scrub)
         info.last_step_id = req.step_id
         info.last_response = resp
         self.d.renew(info)
+        self.d.record_step(info, req)
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         return resp
 
     def _tokens(self, tokens: Any, field: str) -> Any:
-        if len(tokens) > self.d.cfg.server.max_tokens_per_operation:
+        if len(tokens) > self.d.cfg.server.max_tokens_per_operation and not self.d.replaying:
             raise InvalidArgument(
                 f"more than {self.d.cfg.server.max_tokens_per_operation} token ids", field=field)
         return tokens
@@ -273,7 +299,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                       result: pb.OperationResult, copies: Any) -> None:
         ids = list(op.sequence_ids)
         limit = self.d.cfg.server.max_operations_per_step
-        if not ids or len(ids) > limit:
+        if not ids or (len(ids) > limit and not self.d.replaying):
             raise InvalidArgument(f"needs 1..{limit} sequence ids", field="sequence_ids")
         counts = list(op.num_tokens) or None
         raw = array("I", self._tokens(op.token_ids, "token_ids")).tobytes()
@@ -451,7 +477,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                 raise PermissionDenied("without an admin credential a flush must name one of "
                                        "the caller's tenants", field="tenant_id")
             principal.require_tenant(request.tenant_id)
-        n = self.m.flush(model_id=request.model_id or None,
+        n = self.d.flush(model_id=request.model_id or None,
                          model_revision=request.model_revision or None,
                          lora_id=request.lora_id or None,
                          tenant_id=request.tenant_id or None)

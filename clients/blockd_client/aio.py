@@ -10,7 +10,7 @@ import grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd_client.client import backoff_delays, channel_options
+from blockd_client.client import Backoff, channel_options
 from blockd_client.errors import BlockdError
 from blockd_client.requests import layout_proto
 from blockd_client.session import SessionState, StepOutcome
@@ -18,24 +18,28 @@ from blockd_client.session import SessionState, StepOutcome
 
 class AsyncClient:
     def __init__(self, target: str, *, token: str = "", timeout: float = 10.0,
-                 retries: int = 6, backoff: float = 0.05) -> None:
+                 retries: int = 6, backoff: float = 0.05, reconnect_s: float = 30.0) -> None:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.reconnect_s = reconnect_s
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.channel = grpc.aio.insecure_channel(target, options=channel_options())
         self.stub = pb_grpc.BlockdServiceStub(self.channel)
 
     async def call(self, method: Any, request: Any, *, timeout: float | None = None) -> Any:
-        delays = backoff_delays(self.retries, self.backoff)
+        backoff = None
         while True:
             try:
                 return await method(request, metadata=self.metadata,
                                     timeout=self.timeout if timeout is None else timeout)
             except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE and delays:
-                    await asyncio.sleep(delays.pop(0))
-                    continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    backoff = backoff or Backoff(self.retries, self.backoff, self.reconnect_s)
+                    delay = backoff.next_delay()
+                    if delay is not None:
+                        await asyncio.sleep(delay)
+                        continue
                 raise BlockdError.from_rpc(err) from None
 
     async def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1,

@@ -1,10 +1,13 @@
 """The synchronous client: ``Client`` (one channel) and ``Session`` (one attached worker).
 
 Every call has an explicit deadline; UNAVAILABLE (the daemon restarting, a connection reset) is
-retried with exponential backoff and jitter, nothing else is. A Step keeps its step_id across
-retries, so a Step the daemon applied before the connection dropped is answered from its record,
-never applied twice. When the pool's epoch changes the session re-attaches, re-maps the pool and
-raises ``EpochChanged`` so the engine re-admits its requests.
+retried with exponential backoff and jitter for up to ``reconnect_s`` seconds (a daemon killed
+and restarted by its supervisor comes back within that), nothing else is. A Step keeps its
+step_id across retries, so a Step the daemon applied before the connection dropped is answered
+from its record (also by a daemon that recovered from a crash: it journals every Step before
+answering), never applied twice. When the pool's epoch changes (a daemon without crash
+recovery restarted) the session re-attaches, re-maps the pool and raises ``EpochChanged`` so
+the engine re-admits its requests.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd_client.errors import BlockdError, EpochChanged
 from blockd_client.requests import layout_proto
 from blockd_client.session import SessionState, StepOutcome
+from blockd_client.stream import StepStreamer
 
 T = TypeVar("T")
 MAX_MESSAGE = 16 * 1024 * 1024
@@ -31,20 +35,36 @@ def channel_options() -> list[tuple[str, Any]]:
             ("grpc.max_send_message_length", MAX_MESSAGE)]
 
 
-def backoff_delays(retries: int, base: float, cap: float = 2.0) -> list[float]:
-    """Full-jitter exponential backoff: what to sleep before retry 1..retries."""
-    return [random.uniform(0, min(cap, base * 2**i)) for i in range(retries)]
+class Backoff:
+    """Retry pacing: full-jitter exponential delays, at least ``retries`` of them and more
+    until ``reconnect_s`` seconds have passed since the first failure."""
+
+    def __init__(self, retries: int, base: float, reconnect_s: float, cap: float = 1.0) -> None:
+        self.retries = retries
+        self.base = base
+        self.cap = cap
+        self.deadline = time.monotonic() + reconnect_s
+        self.attempt = 0
+
+    def next_delay(self) -> float | None:
+        """Seconds to sleep before the next try, or None: give up."""
+        if self.attempt >= self.retries and time.monotonic() >= self.deadline:
+            return None
+        delay = random.uniform(0, min(self.cap, self.base * 2 ** min(self.attempt, 16)))
+        self.attempt += 1
+        return delay
 
 
 class Client:
     """A connection to one blockd. ``target`` is ``unix:PATH`` or ``HOST:PORT``."""
 
     def __init__(self, target: str, *, token: str = "", timeout: float = 10.0,
-                 retries: int = 6, backoff: float = 0.05) -> None:
+                 retries: int = 6, backoff: float = 0.05, reconnect_s: float = 30.0) -> None:
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.reconnect_s = reconnect_s
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.channel = grpc.insecure_channel(target, options=channel_options())
         self.stub = pb_grpc.BlockdServiceStub(self.channel)
@@ -52,25 +72,29 @@ class Client:
     def call(self, method: Callable[..., T], request: Any, *, timeout: float | None = None
              ) -> T:
         """One RPC with a deadline, retried on UNAVAILABLE only."""
-        delays = backoff_delays(self.retries, self.backoff)
+        backoff = None
         while True:
             try:
                 return method(request, metadata=self.metadata,
                               timeout=self.timeout if timeout is None else timeout)
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE and delays:
-                    time.sleep(delays.pop(0))
-                    continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    backoff = backoff or Backoff(self.retries, self.backoff, self.reconnect_s)
+                    delay = backoff.next_delay()
+                    if delay is not None:
+                        time.sleep(delay)
+                        continue
                 raise BlockdError.from_rpc(err) from None
 
     def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1, worker_name: str = "",
                lease_ms: int = 0, map_pool: bool = True, max_seqs: int = 1024,
-               max_blocks: int = 1024, device: Any = "cpu") -> Session:
+               max_blocks: int = 1024, device: Any = "cpu", stream: bool = False) -> Session:
         """Open a session. ``layout`` is the ``blockd_gpu.KvLayout`` the kernels expect; any
-        difference from the pool fails with FAILED_PRECONDITION naming the field."""
+        difference from the pool fails with FAILED_PRECONDITION naming the field. With
+        ``stream`` its Steps go over one long-lived, self-reconnecting StepStream."""
         req = pb.AttachRequest(worker_name=worker_name, tenant_id=tenant_id,
                                layout=layout_proto(layout, tp_size), lease_ms=lease_ms)
-        return Session(self, req, map_pool, max_seqs, max_blocks, device)
+        return Session(self, req, map_pool, max_seqs, max_blocks, device, stream)
 
     def stats(self) -> pb.StatsResponse:
         return self.call(self.stub.Stats, pb.StatsRequest())
@@ -89,12 +113,13 @@ class Session:
     """One attached worker: steps, fences, the mapped pool and the local block tables."""
 
     def __init__(self, client: Client, req: pb.AttachRequest, map_pool: bool, max_seqs: int,
-                 max_blocks: int, device: Any) -> None:
+                 max_blocks: int, device: Any, stream: bool = False) -> None:
         self.client = client
         self._attach_req = req
         self._map_pool = map_pool
         self._sizes = (max_seqs, max_blocks, device)
         self.state = self._attach(req)
+        self.streamer = StepStreamer(client) if stream else None
 
     def _attach(self, req: pb.AttachRequest) -> SessionState:
         resp = self.client.call(self.client.stub.Attach, req)
@@ -127,7 +152,10 @@ class Session:
         ops = list(ops)
         req = self.state.request(ops)
         try:
-            resp = self.client.call(self.client.stub.Step, req)
+            if self.streamer is not None:
+                resp = self.streamer.round_trip(req)
+            else:
+                resp = self.client.call(self.client.stub.Step, req)
         except BlockdError as err:
             self._maybe_new_epoch(err)
             raise
@@ -159,6 +187,8 @@ class Session:
             session_id=self.session_id, sequence_id=seq_id))
 
     def detach(self) -> int:
+        if self.streamer is not None:
+            self.streamer.close()
         n = self.client.call(self.client.stub.Detach,
                              pb.DetachRequest(session_id=self.session_id))
         self._close_pool()

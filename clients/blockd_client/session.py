@@ -2,7 +2,9 @@
 
 ``SessionState`` applies each Step's results locally: block-table deltas into the int32 tensor,
 copy-on-write copies into the mapped pool (``blockd_gpu.copy_blocks``, before the step's
-kernels), and it publishes the fence once the caller says the step's GPU work is done.
+kernels), sequences the daemon preempted (dropped from the tables: their blocks go to a
+higher-priority request once this session's fences complete, so no kernel may touch them any
+more), and it publishes the fence once the caller says the step's GPU work is done.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class StepOutcome:
 
     def ok(self) -> bool:
         return all(r.status.code == 0 for r in self.response.results)
+
+    @property
+    def preempted(self) -> list[str]:
+        """Sequences the daemon preempted for higher-priority requests since the previous
+        Step: gone (already dropped from the block tables); re-admit them to recompute."""
+        return [p.sequence_id for p in self.response.preempted]
 
 
 class SessionState:
@@ -79,6 +87,11 @@ class SessionState:
                     tables.add(child, blocks, n)
             elif kind == "release":
                 tables.remove(op.release.sequence_id)
+        # After the results: a sequence admitted, forked or appended to earlier in this very
+        # Step may have been preempted by a later operation of it.
+        for p in resp.preempted:
+            if tables.has(p.sequence_id):
+                tables.remove(p.sequence_id)
         if resp.copies and self.pool is not None:
             self.copy_blocks([(c.src_block, c.dst_block) for c in resp.copies])
         return StepOutcome(resp, self.counter.fence)

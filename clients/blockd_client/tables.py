@@ -27,6 +27,9 @@ class BlockTables:
     def row(self, seq_id: str) -> int:
         return self._rows[seq_id]
 
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._rows
+
     def add(self, seq_id: str, block_ids: list[int], num_tokens: int) -> int:
         if not self._free:
             raise RuntimeError("block table is full: raise max_seqs")

@@ -33,7 +33,6 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from blockd.core import snapshot
 from blockd.core import (
     AdmitResult,
     AppendResult,
@@ -47,6 +46,7 @@ from blockd.core import (
     PrefixScope,
     Sharing,
     TenantPolicy,
+    snapshot,
 )
 
 SCOPES = [

@@ -352,10 +352,18 @@ def test_shm_and_memory_are_sized_for_the_pool(rendered: dict[str, Docs], name: 
     blockd = container(spec, "blockd", init=True)
     limit = quantity(blockd["resources"]["limits"]["memory"])
     if cfg.pool.backend == "host":
-        # The memfd pool is shmem charged to blockd's memory cgroup.
-        assert quantity(shm["sizeLimit"]) >= pool_bytes
+        # The pool is a file in state.dir, on blockd's own Memory emptyDir (so it survives a
+        # restart of the blockd container), charged to blockd's memory cgroup.
+        state = volumes["blockd-state"]["emptyDir"]
+        assert state["medium"] == "Memory"
+        assert quantity(state["sizeLimit"]) >= pool_bytes + 64 * MI
+        mount = mounts(blockd)["blockd-state"]
+        assert cfg.state.dir.startswith(mount + "/") and cfg.state.dir != mount
+        assert "blockd-state" not in mounts(container(spec, "worker", init=False))
         assert limit >= pool_bytes + 256 * MI
+        assert quantity(shm["sizeLimit"]) >= 64 * MI
     else:
+        assert cfg.state.dir == ""
         assert quantity(shm["sizeLimit"]) >= 64 * MI
         assert limit >= 512 * MI
 

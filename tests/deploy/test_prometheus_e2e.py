@@ -181,7 +181,7 @@ def test_hit_rate_through_prometheus_matches_the_daemon(blockd: Daemon,
         return rules if rules and all(r["health"] != "unknown" for r in rules) else None
 
     rules = wait_for("a rule evaluation", rules_evaluated)
-    assert len(rules) == 5
+    assert len(rules) == 6
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError"))
                                                      for r in rules]
     assert time.monotonic() - started < 60

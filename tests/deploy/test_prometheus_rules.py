@@ -22,6 +22,7 @@ REQUIRED_ALERTS = {
     "BlockdAllocationFailures": ("blockd_allocation_failures_total",),
     "BlockdPendingFenceStuck": ("blockd_oldest_pending_fence_age_seconds",),
     "BlockdTenantAtQuota": ("blockd_tenant_used_blocks", "blockd_tenant_quota_blocks"),
+    "BlockdInvariantViolated": ("blockd_invariant_violations_total",),
 }
 
 

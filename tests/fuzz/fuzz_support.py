@@ -78,7 +78,7 @@ ALLOWED: dict[str, set[grpc.StatusCode]] = {
     "WatchEvents": {S.OK, S.UNAUTHENTICATED, S.PERMISSION_DENIED, S.OUT_OF_RANGE},
 }
 #: Per-operation status codes inside a Step (OperationStatus.code, IndexedStatus.status.code).
-OP_CODES = {3, 5, 7, 8, 9}
+OP_CODES = {3, 5, 7, 8, 9, 10}  # 10: ABORTED, a sequence preempted by a higher priority
 
 #: grpc's own answers, recognised by their details (the daemon's code never runs).
 TOO_LARGE_REQUEST = "SERVER: Received message larger than max"

@@ -255,18 +255,28 @@ class CommitOp(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "epoch", "results", "copies", "scrubbed_blocks")
+    __slots__ = ("step_id", "epoch", "results", "copies", "scrubbed_blocks", "preempted")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     SCRUBBED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     epoch: int
     results: _containers.RepeatedCompositeFieldContainer[OperationResult]
     copies: _containers.RepeatedCompositeFieldContainer[CopyOp]
     scrubbed_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[CopyOp, _Mapping]]] = ..., scrubbed_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    preempted: _containers.RepeatedCompositeFieldContainer[PreemptedSequence]
+    def __init__(self, step_id: _Optional[int] = ..., epoch: _Optional[int] = ..., results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[CopyOp, _Mapping]]] = ..., scrubbed_blocks: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[_Union[PreemptedSequence, _Mapping]]] = ...) -> None: ...
+
+class PreemptedSequence(_message.Message):
+    __slots__ = ("sequence_id", "reason")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    reason: str
+    def __init__(self, sequence_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CopyOp(_message.Message):
     __slots__ = ("src_block", "dst_block")

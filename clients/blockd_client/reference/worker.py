@@ -24,6 +24,14 @@ committed blocks make that mostly prefix hits). The failed sequence skips one st
 the victim's blocks need to pass their fence. An admission that does not fit waits in the queue
 (the newcomer is the latest arrival, so it would be its own victim).
 
+Daemon-side preemption (the daemon's ``cache.preemption: priority``): a request of higher
+(tenant priority, request priority), from this engine or another worker, may take the blocks of
+a running sequence. The Step response lists it in ``preempted`` (already dropped from the block
+tables); an operation naming it afterwards fails with ABORTED. Either way the sample goes back to
+the waiting queue and is recomputed, exactly as after this engine's own preemption, without a
+release (the daemon already released it). An append or admission refused with reason
+``preempting`` waits: the daemon is reclaiming lower-priority blocks for it.
+
 Sampling is greedy (argmax), so runs are deterministic. For n > 1 the children are made to
 diverge by construction: sample k takes the k-th best token at its first position and decodes
 greedily from there. The logits at every generated position are recorded in ``Sample.logits``
@@ -52,6 +60,9 @@ from blockd_client.reference.model import TinyLlama
 __all__ = ["EngineConfig", "Engine", "Request", "RequestState", "Sample", "EngineStats"]
 
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+ABORTED = grpc.StatusCode.ABORTED.value[0]
+#: The RESOURCE_EXHAUSTED reason (status field) of a request the daemon is preempting for.
+PREEMPTING = "preempting"
 
 # Sample states.
 WAITING = "waiting"  # needs (re-)admission
@@ -142,6 +153,9 @@ class EngineConfig:
     #: Compare every sequence's local block table with the daemon's before each launch (the
     #: seeds' debugging step 1; one GetBlockTable RPC per sequence, so tests only).
     check_tables: bool = False
+    #: Consecutive steps an admission may fail with nothing of this engine running before the
+    #: engine gives up (the request cannot fit); other workers may hold the pool for a while.
+    max_stuck_steps: int = 1000
 
 
 @dataclass
@@ -152,6 +166,8 @@ class EngineStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
     preemptions: int = 0
+    #: Of ``preemptions``: sequences the daemon preempted for a higher-priority request.
+    daemon_preemptions: int = 0
     admission_waits: int = 0
     forks: int = 0
     cow_copies: int = 0
@@ -191,6 +207,8 @@ class Engine:
         self._states: dict[int, RequestState] = {}
         #: Appends refused this step (pool or quota): each preempts a sequence.
         self._failed: list[Sample] = []
+        #: Samples whose sequence the daemon preempted (an ABORTED operation this step).
+        self._gone: list[Sample] = []
         #: Consecutive steps in which an admission failed with nothing running.
         self._stuck = 0
 
@@ -258,11 +276,16 @@ class Engine:
         self.stats.steps += 1
         self.stats.cow_copies += len(out.response.copies)
         self._failed = []
+        self._gone = []
         admit_failed = False
         for handler, res in zip(handlers, out.results, strict=True):
             admit_failed |= handler(res) is False
+        # Daemon-side preemption: the listed sequences are gone (and out of the tables).
+        gone = [self.live[q] for q in out.preempted if q in self.live]
+        for s in (*self._gone, *gone):
+            self._lost(s)
         self._stuck = self._stuck + 1 if admit_failed and not self.live else 0
-        if self._stuck > 3:
+        if self._stuck > self.config.max_stuck_steps:
             raise RuntimeError("an admission keeps failing with nothing running: the request "
                                "needs more blocks than the pool or the tenant's quota holds")
         for s in self._failed:
@@ -297,7 +320,7 @@ class Engine:
         for s in self.live.values():
             full = s.daemon_tokens // B
             if s.request.cache and full > s.committed and full * B <= s.computed:
-                add(rq.commit(s.seq_id), _expect_ok)
+                add(rq.commit(s.seq_id), self._committed(s))
                 s.committed = full
         # 2. Releases.
         for s in self.releasing:
@@ -322,9 +345,18 @@ class Engine:
 
     # -- op result handlers -------------------------------------------------------------------
 
+    def _committed(self, s: Sample) -> Callable[[pb.OperationResult], None]:
+        def handle(res: pb.OperationResult) -> None:
+            if res.status.code == ABORTED:
+                self._gone.append(s)
+                return
+            _expect_ok(res)
+        return handle
+
     def _released(self, s: Sample) -> Callable[[pb.OperationResult], None]:
         def handle(res: pb.OperationResult) -> None:
-            _expect_ok(res)
+            if res.status.code != ABORTED:  # ABORTED: the daemon preempted (released) it
+                _expect_ok(res)
             del self.live[s.seq_id]
             s.seq_id = None
             if s.state == PREEMPTED:
@@ -361,8 +393,13 @@ class Engine:
                 if status is None:
                     s.daemon_tokens += 1
                     appended.append(s)
+                elif status.code == RESOURCE_EXHAUSTED and status.field == PREEMPTING:
+                    # The daemon is reclaiming lower-priority blocks for it: wait for them.
+                    s.stall_until = self.step_no + 2
                 elif status.code == RESOURCE_EXHAUSTED:
                     self._failed.append(s)
+                elif status.code == ABORTED:
+                    self._gone.append(s)
                 else:
                     raise RuntimeError(f"append failed: {status.code} {status.message}")
         return handle
@@ -371,7 +408,8 @@ class Engine:
         def handle(res: pb.OperationResult) -> bool:
             if res.status.code == RESOURCE_EXHAUSTED:
                 self.stats.admission_waits += 1
-                return False
+                # "preempting": room is being made for it; not a sign it can never fit.
+                return res.status.field == PREEMPTING
             _expect_ok(res)
             a = res.admit
             self.waiting.remove(s)
@@ -410,6 +448,28 @@ class Engine:
         """Sequences ``s`` will hold: its own, plus its children until it has forked."""
         forked = self._states[id(s.request)].forked
         return s.request.n if s.index == 0 and not forked else 1
+
+    def _lost(self, s: Sample) -> None:
+        """The daemon preempted ``s``'s sequence: it no longer exists (nothing to release).
+        Recompute it later, exactly as after this engine's own preemption."""
+        if s.seq_id is None or self.live.get(s.seq_id) is not s:
+            return  # already handled (an ABORTED op and the notice of the same preemption)
+        del self.live[s.seq_id]
+        s.seq_id = None
+        if s in self.releasing:
+            self.releasing.remove(s)
+        # Children whose fork was not sent yet: admitted on their own later.
+        for c in self.forking.pop(s, []):
+            c.state = WAITING
+            self.waiting.append(c)
+        if s.state == DONE:
+            return  # finished anyway: its release was all that was left
+        if s.state != PREEMPTED:  # this engine had not already chosen it as a victim
+            s.preemptions += 1
+            self.stats.preemptions += 1
+            self.stats.daemon_preemptions += 1
+        s.state = WAITING
+        self.waiting.append(s)
 
     def _preempt_for(self, failed: Sample, k: int) -> None:
         """``failed`` could not get a block: release the lowest-priority, latest sequence."""

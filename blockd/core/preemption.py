@@ -1,0 +1,102 @@
+"""Daemon-side preemption: which live sequences give way when the pool is exhausted.
+
+When an allocation (an admit, or an append that needs new blocks) does not fit for lack of
+blocks in the pool (``DoesNotFit`` reason ``"pool"``), the BlockManager may release running
+sequences of *strictly lower* effective priority, in any session of any tenant, to make room.
+
+* Effective priority is ``(tenant policy priority, sequence priority)``, compared
+  lexicographically. An admit asks with its tenant's priority and its own ``priority``; an
+  append with the appending sequence's.
+* Victims are taken lowest priority first, then most recently admitted first (vLLM's order:
+  the latest arrival has done the least work). ``BlockManager.sequences`` is a dict in
+  admission order, so iterating it reversed and sorting stably by priority gives that order
+  without any per-sequence field.
+* A victim frees only blocks that no surviving sequence references (a block shared with a
+  non-victim, or one the admit itself hits, is not counted). Sequences that could free no block
+  at all whatever else is preempted are never chosen.
+* Blocks already PENDING (released, waiting for a fence) will become reusable without hurting
+  anyone: they count as coming. Preempting on top of them would preempt a new victim on every
+  retry of the same request while the first victims' fences are still pending.
+* The shortest prefix of that order whose freed blocks make the request fit (pool and
+  guarantees, assuming every pending fence completes) is chosen. When even all of them would not
+  make it fit, nothing is preempted: a preemption that cannot help only destroys work.
+
+Everything here is deterministic (dict and list orders only, no time, no randomness): the
+daemon's journal replays Steps and must reproduce exactly the same preemptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+from blockd.core.allocator import PENDING
+
+if TYPE_CHECKING:
+    from blockd.core.manager import BlockManager
+    from blockd.core.sequence import Sequence
+
+#: Preempted sequence ids a session remembers (oldest dropped first), so that a later operation
+#: naming one is ABORTED (re-admit) rather than NOT_FOUND.
+MAX_REMEMBERED = 4096
+#: The bounded label a preemption notice carries.
+REASON = "priority"
+
+#: (tenant policy priority, sequence priority): higher runs first and is preempted last.
+Priority = tuple[int, int]
+
+
+def priority_of(m: BlockManager, seq: Sequence) -> Priority:
+    """A live sequence's effective priority."""
+    return (m.tenants.policies[seq.tenant].priority, seq.priority)
+
+
+def choose_victims(m: BlockManager, tenant: int, requester: Priority, need: int,
+                   hits: Seq[int], exclude: str | None = None) -> list[Sequence]:
+    """The sequences to preempt so that ``need`` blocks fit for ``tenant`` (see the module
+    docstring), in preemption order; empty when preempting cannot help or is not needed.
+
+    ``hits`` are the blocks the request will reference (an admit's prefix hits); ``exclude``
+    the requesting sequence (an append's), which is never its own victim. Changes nothing.
+    """
+    policies = m.tenants.policies
+    # Most recently admitted first; the stable sort keeps that order within equal priorities.
+    eligible = [s for s in reversed(m.sequences.values())
+                if s.id != exclude and (policies[s.tenant].priority, s.priority) < requester]
+    if not eligible:
+        return []
+    alloc = m.alloc
+    # Blocks already on their way back (ref 0, waiting for a fence) need no victim.
+    pending = alloc.state.count(PENDING)
+    verdict = m._fits(tenant, need, hits, pending)  # noqa: SLF001 (the manager's own helper)
+    if verdict is None or verdict.reason == "quota":
+        return []  # it will fit once fences complete, or no preemption can make it fit
+    eligible.sort(key=lambda s: (policies[s.tenant].priority, s.priority))
+    ref = alloc.ref
+    owner = alloc.owner
+    keep = set(hits)  # block ids (ints): membership only, never iterated
+    # A block can be reclaimed only if every table naming it belongs to an eligible victim.
+    held: dict[int, int] = {}
+    for s in eligible:
+        for b in s.table:
+            held[b] = held.get(b, 0) + 1
+    useful = [s for s in eligible
+              if any(held[b] == ref[b] and b not in keep for b in s.table)]
+    dropped: dict[int, int] = {}
+    freed = [0] * len(alloc.usage)
+    total = 0
+    chosen: list[Sequence] = []
+    for s in useful:
+        chosen.append(s)
+        for b in s.table:
+            d = dropped.get(b, 0) + 1
+            dropped[b] = d
+            if d == ref[b] and b not in keep:
+                total += 1
+                freed[owner[b]] += 1
+        verdict = m._fits(tenant, need, hits, pending + total, freed)  # noqa: SLF001
+        if verdict is None:
+            return chosen
+        if verdict.reason == "quota" and not freed[tenant]:
+            return []  # only victims of the requester's own tenant can lift its quota
+    return []

@@ -1,0 +1,99 @@
+"""The state directory: where the pool, fence pages, snapshot and journal outlive the daemon.
+
+Layout of ``state.dir`` (created mode 0700; refused if another user owns it or others may
+read or write it, since it holds every tenant's K/V and a pickle the daemon loads)::
+
+    pool                  the host pool's memory (workers map it)
+    fence-<session id>    one fence page per attached session (its worker writes it)
+    snapshot              the last snapshot (written to snapshot.tmp, then renamed)
+    journal.<generation>  what was applied since the snapshot of that generation
+
+A snapshot names the generation of the journal that follows it; taking one writes the new
+snapshot, renames it over the old one, and only then starts the next journal and deletes the
+previous one. A crash at any point leaves one snapshot plus the one journal to replay after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import stat
+from pathlib import Path
+from typing import Any
+
+from blockd.core.errors import FailedPrecondition
+
+MAGIC = b"BLOCKD-STATE\x00\x01"
+
+
+class StateStore:
+    def __init__(self, directory: str) -> None:
+        self.dir = Path(directory)
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = self.dir.stat(follow_symlinks=False)
+        except OSError as exc:
+            raise FailedPrecondition(f"state directory {directory}: {exc}",
+                                     field="state.dir") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise FailedPrecondition(f"state directory {directory} is not a directory",
+                                     field="state.dir")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise FailedPrecondition(
+                f"state directory {directory} must be owned by this user and private "
+                f"(mode 0700), it is uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):o}",
+                field="state.dir")
+
+    @property
+    def pool_path(self) -> str:
+        return str(self.dir / "pool")
+
+    def fence_path(self, session_id: str) -> str:
+        # Session ids are URL-safe base64 (token_urlsafe): safe as a file name.
+        return str(self.dir / f"fence-{session_id}")
+
+    def journal_path(self, generation: int) -> str:
+        return str(self.dir / f"journal.{generation}")
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    def read_snapshot(self) -> dict[str, Any] | None:
+        path = self.dir / "snapshot"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if not data.startswith(MAGIC):
+            raise ValueError(f"{path} is not a blockd snapshot (or another version's)")
+        state: dict[str, Any] = pickle.loads(data[len(MAGIC):])  # noqa: S301 (private dir)
+        return state
+
+    def write_snapshot(self, state: dict[str, Any]) -> int:
+        """Write ``state`` atomically; returns its size in bytes."""
+        data = MAGIC + pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = self.dir / "snapshot.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.dir / "snapshot")
+        return len(data)
+
+    def remove_journals(self, keep: int | None = None) -> None:
+        for path in self.dir.glob("journal.*"):
+            if keep is None or path.name != f"journal.{keep}":
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    def wipe(self) -> None:
+        """Forget everything (a clean epoch): snapshot, journals and fence pages."""
+        for path in self.dir.iterdir():
+            if path.name in ("snapshot", "snapshot.tmp") or path.name.startswith(
+                    ("journal.", "fence-")):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
