@@ -35,6 +35,8 @@ bench: $(STAMP)
 	$(PY) bench/seeds_numbers.py
 	$(PY) bench/grpc_step.py
 	$(PY) bench/journal_overhead.py
+	$(PY) bench/load_run.py
+	$(PY) bench/load_run.py --journal
 	$(PY) bench/cpu_paged_vs_sdpa.py
 
 proto: $(STAMP)

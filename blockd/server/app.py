@@ -35,6 +35,32 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _start_daemon(cfg: Config) -> tuple[Daemon, Metrics, BlockdServicer]:
+    """The daemon, recovered from ``state.dir`` when there is state to recover.
+
+    If replaying the state fails (a bug, or a journal damaged in a way its checksums cannot
+    see), the snapshot and journal are moved aside for a post-mortem and the daemon starts a
+    new epoch, which workers detect: a crash loop would keep every worker waiting instead.
+    """
+    for attempt in (1, 2):
+        daemon = Daemon(cfg)
+        metrics = Metrics()
+        metrics.bind(daemon)
+        servicer = BlockdServicer(daemon, metrics)
+        try:
+            daemon.recover(servicer.apply_step)
+            return daemon, metrics, servicer
+        except Exception:
+            store = daemon.store
+            daemon.close()
+            if attempt == 2 or store is None:
+                raise
+            kept = store.quarantine()
+            log.exception("recovering from %s failed: starting a new epoch (the snapshot and "
+                          "journal are kept in %s)", store.dir, kept)
+    raise AssertionError("unreachable")
+
+
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
     publisher = None
@@ -44,29 +70,19 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
                                      medium=medium_for(cfg.pool.backend))
         publisher.start()
     try:
-        daemon = Daemon(cfg)
+        daemon, metrics, servicer = _start_daemon(cfg)
     except BaseException:
         if publisher is not None:
             publisher.stop()
         raise
     if publisher is not None:
         daemon.events.add_listener(publisher.submit)
-    metrics = Metrics()
-    metrics.bind(daemon)
     sc = cfg.server
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ])
-    servicer = BlockdServicer(daemon, metrics)
-    try:
-        daemon.recover(servicer.apply_step)
-    except BaseException:
-        daemon.close()
-        if publisher is not None:
-            publisher.stop()
-        raise
     pb_grpc.add_BlockdServiceServicer_to_server(servicer, server)
     if sc.enable_echo:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(

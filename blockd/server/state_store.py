@@ -19,6 +19,7 @@ import contextlib
 import os
 import pickle
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,17 @@ class StateStore:
             if keep is None or path.name != f"journal.{keep}":
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+
+    def quarantine(self) -> Path:
+        """Move the snapshot and journals into ``failed-<time>/`` (a state that could not be
+        replayed, kept for a post-mortem) and forget the fence pages; returns the folder."""
+        kept = self.dir / f"failed-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        kept.mkdir(mode=0o700)
+        for path in list(self.dir.iterdir()):
+            if path.name == "snapshot" or path.name.startswith("journal."):
+                path.rename(kept / path.name)
+        self.wipe()
+        return kept
 
     def wipe(self) -> None:
         """Forget everything (a clean epoch): snapshot, journals and fence pages."""

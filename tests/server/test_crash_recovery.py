@@ -28,6 +28,7 @@ from daemon_proc import TOKENS, Daemon, md, start
 import blockd_client.requests as rq
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.launch import spawn
+from blockd.server import journal
 from blockd_client import Client
 from blockd_client.errors import BlockdError
 from blockd_gpu import KvLayout
@@ -317,3 +318,63 @@ def test_state_dir_must_be_private(tmp_path: Path) -> None:
     state.chmod(0o755)
     with pytest.raises(RuntimeError, match="private"):
         start(tmp_path, extra={"state": {"dir": str(state)}})
+
+
+def test_event_subscribers_resync_after_a_restart(state_daemon: dict[str, Daemon]) -> None:
+    """The new process's event stream starts with AllBlocksCleared, then lists every block the
+    recovered index holds, with the same hashes as before the crash."""
+    d = state_daemon["d"]
+    client = Client(f"unix:{d.endpoints['unix']}", token=TOKENS["alice"], reconnect_s=30)
+    session = client.attach("acme", LAYOUT, worker_name="alice")
+    out = session.step([rq.admit(list(range(30, 47)), NS)])  # 4 full blocks + 1 token
+    seq = out.results[0].admit.sequence_id
+    session.complete(out.fence)
+    session.complete(session.step([rq.commit(seq)]).fence)
+    before = d.stub().WatchEvents(pb.WatchEventsRequest(since_sequence=1), metadata=md("admin"),
+                                  timeout=10)
+    stored = [next(before) for _ in range(4)]
+    before.cancel()
+    kill9(d)
+    d = state_daemon["d"] = restart(d)
+    after = d.stub().WatchEvents(pb.WatchEventsRequest(since_sequence=1), metadata=md("admin"),
+                                 timeout=10)
+    events = [next(after) for _ in range(5)]
+    after.cancel()
+    assert events[0].WhichOneof("event") == "all_blocks_cleared"
+    assert [e.block_stored.block_hashes for e in events[1:]] == [
+        e.block_stored.block_hashes for e in stored]
+    assert [e.block_stored.parent_block_hash for e in events[1:]] == [
+        e.block_stored.parent_block_hash for e in stored]
+    assert all(e.epoch == stored[0].epoch for e in events)
+    session.detach()
+    client.close()
+
+
+def test_state_that_cannot_be_replayed_is_kept_aside_and_a_new_epoch_starts(
+        state_daemon: dict[str, Daemon], tmp_path: Path) -> None:
+    """A journal record the daemon cannot apply (a bug, or damage its checksum cannot see)
+    must not crash-loop the daemon: the state is moved aside and workers see a new epoch."""
+    d = state_daemon["d"]
+    client = Client(f"unix:{d.endpoints['unix']}", token=TOKENS["alice"], reconnect_s=30)
+    session = client.attach("acme", LAYOUT, worker_name="alice")
+    session.complete(session.step([rq.admit(list(range(9)), NS)]).fence)
+    old = session.epoch
+    kill9(d)
+    state = tmp_path / "state"
+    (current,) = state.glob("journal.*")
+    j = journal.Journal(str(tmp_path / "bogus"))
+    j.append(["no-such-record", 1])
+    j.close()
+    with open(current, "ab") as f:
+        f.write((tmp_path / "bogus").read_bytes())
+    d = state_daemon["d"] = restart(d)
+    assert any("failed: starting a new epoch" in line for line in d.lines), d.log_text()
+    (kept,) = state.glob("failed-*")
+    assert (kept / "snapshot").exists() and (kept / current.name).exists()
+    with pytest.raises(BlockdError) as err:
+        session.step([rq.admit(list(range(9)), NS)])
+    assert type(err.value).__name__ == "EpochChanged" and session.epoch != old
+    out = session.step([rq.admit(list(range(9)), NS)])  # the new epoch serves
+    assert out.results[0].status.code == 0
+    session.detach()
+    client.close()
