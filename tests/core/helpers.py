@@ -1,6 +1,7 @@
 """Small builders shared by the core tests."""
 
 from blockd.core import BlockManager, PoolSpec, PrefixScope, TenantPolicy
+from blockd.core.snapshot import canonical
 
 SCOPE = PrefixScope("llama-tiny", model_revision="r1")
 
@@ -25,3 +26,15 @@ def snapshot(m: BlockManager) -> tuple:
         len(m.index),
         len(m.namespaces),
     )
+
+
+def state_of(m: BlockManager) -> object:
+    """Everything the manager holds (``snapshot.canonical``), for "changed nothing" checks.
+
+    Left out: the counters and the namespace memo, and which namespace ids are free for reuse
+    (a refused admit may intern a namespace and release it again): only the live namespaces
+    count.
+    """
+    return tuple((name, canonical(value._by_id if name == "namespaces" else value))
+                 for name, value in vars(m).items() if name not in ("counters", "_ns_cache"))
+

@@ -8,7 +8,7 @@ preempted when it cannot help, and no admission waits forever.
 from __future__ import annotations
 
 import pytest
-from helpers import SCOPE
+from helpers import SCOPE, state_of
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -36,24 +36,9 @@ def make(num_blocks: int = 8, tenants: list[TenantPolicy] | None = None,
     return BlockManager(PoolSpec(block_size=B, num_blocks=num_blocks), tenants, seed=7, **kw)
 
 
-def snapshot(m: BlockManager) -> tuple:
-    """Everything a call could change (as tests/core/test_state_machine.py's ``snapshot``)."""
-    a = m.alloc
-    return (
-        m.state_counts(),
-        list(a.usage),
-        list(a.cached),
-        {sid: (list(s.table), s.num_tokens, s.num_committed) for sid, s in m.sequences.items()},
-        bytes(a.state),
-        a.ref.tobytes(),
-        a.pend.tobytes(),
-        [a.lru_order(t) for t in range(len(a.usage))],
-        dict(m.index.map),
-        {sid: (s.completed, s.issued, len(s.waiting), list(s.preempted))
-         for sid, s in m.sessions.items()},
-        len(m.namespaces),
-        dict(m.counters.preemptions),
-    )
+def snapshot(m: BlockManager) -> object:
+    """All the manager's state (``helpers.state_of``), and its preemption counts."""
+    return state_of(m), dict(m.counters.preemptions)
 
 
 def admit(m: BlockManager, sid: str, blocks: int, *, token: int = 0, priority: int = 0,
