@@ -186,6 +186,8 @@ class BlockManager:
         #: journal records them). ``replay_ids``: ids to hand out instead (a journal replay).
         self.minted: list[str] | None = None
         self.replay_ids: deque[str] | None = None
+        #: The last preemption question that had no answer (``blockd.core.preemption``).
+        self._no_victims: tuple[object, ...] | None = None
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()

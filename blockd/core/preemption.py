@@ -59,18 +59,44 @@ def choose_victims(m: BlockManager, tenant: int, requester: Priority, need: int,
     ``hits`` are the blocks the request will reference (an admit's prefix hits); ``exclude``
     the requesting sequence (an append's), which is never its own victim. Changes nothing.
     """
+    alloc = m.alloc
+    fits = m._fits  # noqa: SLF001 (the manager's own helper)
+    # Blocks already on their way back (ref 0, waiting for a fence) need no victim.
+    pending = alloc.state.count(PENDING)
+    verdict = fits(tenant, need, hits, pending)
+    if verdict is None or verdict.reason == "quota":
+        return []  # it will fit once fences complete, or no preemption can make it fit
+    # Even reclaiming every block in use would not do (O(tenants), before any sequence is
+    # looked at): a request larger than the pool costs nothing however many sequences run.
+    in_use = m.num_blocks - alloc.num_free - alloc.num_cached - pending
+    if fits(tenant, need, hits, pending + in_use,
+            [u - c for u, c in zip(alloc.usage, alloc.cached, strict=True)]) is not None:
+        return []
+    # The same question on an unchanged pool has the same answer: a Step of many admissions
+    # that cannot be helped pays the scan below once, not once per admission. (``exclude``
+    # is not part of the question: the requesting sequence has the requester's priority, so
+    # it is never eligible anyway.)
+    key = (tenant, requester, need, tuple(hits), alloc.num_free, alloc.num_cached, pending,
+           len(m.sequences), m.counters.allocated_blocks, m.counters.released_blocks)
+    if m._no_victims == key:  # noqa: SLF001
+        return []
+    chosen = _scan(m, tenant, requester, need, hits, exclude, pending)
+    if not chosen:
+        m._no_victims = key  # noqa: SLF001
+    return chosen
+
+
+def _scan(m: BlockManager, tenant: int, requester: Priority, need: int, hits: Seq[int],
+          exclude: str | None, pending: int) -> list[Sequence]:
+    """The O(live sequences + their blocks) part of ``choose_victims``."""
     policies = m.tenants.policies
+    alloc = m.alloc
+    fits = m._fits  # noqa: SLF001
     # Most recently admitted first; the stable sort keeps that order within equal priorities.
     eligible = [s for s in reversed(m.sequences.values())
                 if s.id != exclude and (policies[s.tenant].priority, s.priority) < requester]
     if not eligible:
         return []
-    alloc = m.alloc
-    # Blocks already on their way back (ref 0, waiting for a fence) need no victim.
-    pending = alloc.state.count(PENDING)
-    verdict = m._fits(tenant, need, hits, pending)  # noqa: SLF001 (the manager's own helper)
-    if verdict is None or verdict.reason == "quota":
-        return []  # it will fit once fences complete, or no preemption can make it fit
     eligible.sort(key=lambda s: (policies[s.tenant].priority, s.priority))
     ref = alloc.ref
     owner = alloc.owner
@@ -80,6 +106,12 @@ def choose_victims(m: BlockManager, tenant: int, requester: Priority, need: int,
     for s in eligible:
         for b in s.table:
             held[b] = held.get(b, 0) + 1
+    reclaimable = [0] * len(alloc.usage)
+    for b, n in held.items():
+        if n == ref[b] and b not in keep:
+            reclaimable[owner[b]] += 1
+    if fits(tenant, need, hits, pending + sum(reclaimable), reclaimable) is not None:
+        return []  # not even all of them together would make it fit
     useful = [s for s in eligible
               if any(held[b] == ref[b] and b not in keep for b in s.table)]
     dropped: dict[int, int] = {}

@@ -451,3 +451,39 @@ def pre_scope(i: int):  # type: ignore[no-untyped-def]
     from blockd.core import PrefixScope
 
     return PrefixScope("m", model_revision=str(i % 2))
+
+
+def test_refusals_that_preemption_cannot_help_do_not_rescan_every_sequence(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the gRPC fuzzer: a Step of ~2,000 admissions, each refused for lack of blocks
+    while thousands of forked sequences of lower priority ran, scanned every sequence and
+    block once per admission (minutes). A request larger than the pool is answered without
+    any scan, and one that victims cannot help is scanned once per unchanged pool."""
+    scans = []
+    real = pre._scan
+
+    def counting(*args: object) -> list[object]:
+        scans.append(args[3])  # need
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pre, "_scan", counting)
+    m = make(num_blocks=16, tenants=[TenantPolicy("lo", quota_blocks=64, priority=0),
+                                     TenantPolicy("hi", quota_blocks=64, priority=1)])
+    lo = m.open_session("lo").id
+    hi = m.open_session("hi").id
+    base = ok(admit(m, lo, 4, token=1))
+    for _ in range(20):
+        m.fork(lo, base, 64)  # 1,281 sequences sharing 4 blocks
+    ok(admit(m, hi, 10, token=2))  # the rest of the pool is the high tenant's
+    for i in range(300):
+        assert admit(m, hi, 17, token=3 + i) == DoesNotFit("pool", 17, 2)  # > the pool
+    assert scans == []
+    before = snapshot(m)
+    for i in range(300):
+        # Fits the pool, but the low tenant's 4 shared blocks are all victims could free.
+        out = admit(m, hi, 7, token=3 + i)
+        assert isinstance(out, DoesNotFit) and out.reason == "pool"
+    assert scans == [7]
+    assert snapshot(m) == before
+    ok(admit(m, hi, 5, token=9))  # enough: the forks are preempted, all of them
+    assert len(m.sessions[lo].preempted) == 1281
