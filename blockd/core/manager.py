@@ -188,6 +188,8 @@ class BlockManager:
         self.replay_ids: deque[str] | None = None
         #: The last preemption question that had no answer (``blockd.core.preemption``).
         self._no_victims: tuple[object, ...] | None = None
+        #: Victim scans left until the next Step (``begin_step``): bounds a Step's cost.
+        self.preempt_scans_left = _preemption.SCANS_PER_STEP
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
@@ -266,6 +268,7 @@ class BlockManager:
             self._complete(session, completed_fence)
         if fence:
             session.issued = fence
+        self.preempt_scans_left = _preemption.SCANS_PER_STEP
 
     # -- the Step operations ------------------------------------------------------------------
 

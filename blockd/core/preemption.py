@@ -39,6 +39,11 @@ if TYPE_CHECKING:
 #: Preempted sequence ids a session remembers (oldest dropped first), so that a later operation
 #: naming one is ABORTED (re-admit) rather than NOT_FOUND.
 MAX_REMEMBERED = 4096
+#: Full victim scans (O(live sequences + their blocks) each) one Step may trigger; later
+#: refusals in the same Step are answered without preempting. A Step of thousands of
+#: admissions or batch entries from sequences of distinct priorities would otherwise scan
+#: once per refusal.
+SCANS_PER_STEP = 8
 #: The bounded label a preemption notice carries.
 REASON = "priority"
 
@@ -78,8 +83,9 @@ def choose_victims(m: BlockManager, tenant: int, requester: Priority, need: int,
     # it is never eligible anyway.)
     key = (tenant, requester, need, tuple(hits), alloc.num_free, alloc.num_cached, pending,
            len(m.sequences), m.counters.allocated_blocks, m.counters.released_blocks)
-    if m._no_victims == key:  # noqa: SLF001
+    if m._no_victims == key or m.preempt_scans_left <= 0:  # noqa: SLF001
         return []
+    m.preempt_scans_left -= 1
     chosen = _scan(m, tenant, requester, need, hits, exclude, pending)
     if not chosen:
         m._no_victims = key  # noqa: SLF001

@@ -32,10 +32,11 @@ def state_of(m: BlockManager) -> object:
     """Everything the manager holds (``snapshot.canonical``), for "changed nothing" checks.
 
     Left out: the counters, the memos (of namespaces, of a preemption that could not help),
+    the per-Step preemption scan budget,
     and which namespace ids are free for reuse (a refused admit may intern a namespace and
     release it again): only the live namespaces count.
     """
     return tuple((name, canonical(value._by_id if name == "namespaces" else value))
                  for name, value in vars(m).items()
-                 if name not in ("counters", "_ns_cache", "_no_victims"))
+                 if name not in ("counters", "_ns_cache", "_no_victims", "preempt_scans_left"))
 

@@ -487,3 +487,27 @@ def test_refusals_that_preemption_cannot_help_do_not_rescan_every_sequence(
     assert snapshot(m) == before
     ok(admit(m, hi, 5, token=9))  # enough: the forks are preempted, all of them
     assert len(m.sessions[lo].preempted) == 1281
+
+
+def test_a_step_scans_for_victims_at_most_scans_per_step_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refusals from requesters of distinct priorities are distinct questions (no memo hit):
+    one Step pays at most ``SCANS_PER_STEP`` scans; the next Step gets a fresh budget."""
+    scans = []
+    real = pre._scan
+    monkeypatch.setattr(pre, "_scan", lambda *a: scans.append(1) or real(*a))
+    m = make(num_blocks=16, tenants=[TenantPolicy("lo", quota_blocks=64, priority=0),
+                                     TenantPolicy("hi", quota_blocks=64, priority=1)])
+    lo = m.open_session("lo").id
+    hi = m.open_session("hi").id
+    base = ok(admit(m, lo, 4, token=1))
+    m.fork(lo, base, 8)
+    ok(admit(m, hi, 10, token=2, priority=1000))  # outranks every requester below
+    m.begin_step(hi, 0)
+    for i in range(50):
+        out = admit(m, hi, 7, token=3 + i, priority=i)  # a new question every time
+        assert isinstance(out, DoesNotFit) and out.reason == "pool"
+    assert len(scans) == pre.SCANS_PER_STEP
+    m.begin_step(hi, 0)
+    assert isinstance(admit(m, hi, 7, token=99, priority=99), DoesNotFit)
+    assert len(scans) == pre.SCANS_PER_STEP + 1
