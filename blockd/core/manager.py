@@ -764,16 +764,12 @@ class BlockManager:
                 del ids[next(iter(ids))]
             self.counters.preemptions[policies[seq.tenant].tenant_id] += 1
 
-    def take_preempted(self, session_id: str, limit: int | None = None) -> list[str]:
-        """Sequences of the session preempted since the last call, oldest first; at most
-        ``limit`` (the rest stay for the next call)."""
+    def take_preempted(self, session_id: str) -> list[str]:
+        """Every sequence of the session preempted since the last call, oldest first."""
         session = self._session(session_id)
-        pending = session.preempted
-        if not pending:
-            return []
-        n = len(pending) if limit is None else max(0, limit)
-        out = pending[:n]
-        del pending[:n]
+        out = session.preempted
+        if out:
+            session.preempted = []
         return out
 
     # -- internals: releases and fences -------------------------------------------------------

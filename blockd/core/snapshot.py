@@ -43,7 +43,7 @@ def dump(manager: BlockManager) -> bytes:
     """The manager's state as bytes (see the module docstring).
 
     May turn prefix caching off for sequences whose committed token ids are nowhere to be
-    found; returns how many through ``manager.counters.uncacheable_after_snapshot``.
+    found; counts them in ``manager.counters.uncacheable_after_snapshot``.
     """
     prefixes = _stream_prefixes(manager)
     streams = {}

@@ -90,7 +90,6 @@ class Daemon:
         #: True while the journal is replayed: side effects already happened once.
         self.replaying = False
         self.generation = 0
-        self.recovered: dict[str, Any] = {}
         self._snapshot_bytes = 0
         self.snapshots = 0
         self.last_snapshot_seconds = 0.0
@@ -167,15 +166,11 @@ class Daemon:
 
     def _restore_session(self, sid: str, tenant_id: str, owner: str, worker_name: str,
                          lease_ms: int, last_step_id: int, last_response: bytes | None) -> None:
-        assert self.store is not None
-        resp = None
-        if last_response is not None:
-            resp = pb.StepResponse()
-            resp.ParseFromString(last_response)
         # A restarted daemon gives every worker a full lease to reconnect in.
-        self.sessions[sid] = SessionInfo(
-            sid, tenant_id, owner, worker_name, lease_ms, time.monotonic() + lease_ms / 1000,
-            last_step_id, resp, fence_page=FencePage(self.store.fence_path(sid)))
+        info = self._session_info(sid, tenant_id, owner, worker_name, lease_ms)
+        info.last_step_id = last_step_id
+        if last_response is not None:
+            info.last_response = pb.StepResponse.FromString(last_response)
 
     def recover(self, apply_step: Callable[[SessionInfo, pb.StepRequest], pb.StepResponse]
                 ) -> None:
@@ -215,14 +210,14 @@ class Daemon:
         active = {p.tenant_id: p for p, on in zip(table.policies, table.active, strict=True) if on}
         if active != {p.tenant_id: p for p in self.tenants.tenants}:
             self.reload_tenants(self.tenants)  # the file changed while the daemon was down
-        self.recovered = {
+        recovered = {
             "sessions": len(self.sessions), "sequences": len(self.manager.sequences),
             "indexed_blocks": len(self.manager.index), "journal_records": records,
             "seconds": round(time.perf_counter() - t0, 4),
         }
         if resumed:
             log.info("recovered epoch=%d %s", self.epoch,
-                     " ".join(f"{k}={v}" for k, v in self.recovered.items()))
+                     " ".join(f"{k}={v}" for k, v in recovered.items()))
 
     def _replay(self, record: list[Any],
                 apply_step: Callable[[SessionInfo, pb.StepRequest], pb.StepResponse]) -> None:
@@ -360,10 +355,15 @@ class Daemon:
     def _open_session(self, sid: str | None, tenant_id: str, owner: str, worker_name: str,
                       lease_ms: int) -> SessionInfo:
         core = self.manager.open_session(tenant_id, sid)
-        page = FencePage(self.store.fence_path(core.id) if self.store else None)
-        info = SessionInfo(core.id, tenant_id, owner, worker_name, lease_ms,
+        return self._session_info(core.id, tenant_id, owner, worker_name, lease_ms)
+
+    def _session_info(self, sid: str, tenant_id: str, owner: str, worker_name: str,
+                      lease_ms: int) -> SessionInfo:
+        """The server side of a core session, with a full lease and its fence page."""
+        page = FencePage(self.store.fence_path(sid) if self.store else None)
+        info = SessionInfo(sid, tenant_id, owner, worker_name, lease_ms,
                            time.monotonic() + lease_ms / 1000, fence_page=page)
-        self.sessions[core.id] = info
+        self.sessions[sid] = info
         return info
 
     def session(self, principal: Principal, session_id: str, epoch: int | None = None

@@ -121,6 +121,11 @@ class _DaemonCollector(Collector):
                                     value=d.journal.size if d.journal is not None else 0)
             yield CounterMetricFamily("blockd_snapshots", "Snapshots written (compactions).",
                                       value=d.snapshots)
+            yield CounterMetricFamily(
+                "blockd_snapshot_uncached_sequences",
+                "Live sequences a snapshot found no committed token ids for (their prefix was "
+                "flushed): they keep their blocks but stop offering new blocks to the cache.",
+                value=c.uncacheable_after_snapshot)
             yield GaugeMetricFamily("blockd_last_snapshot_seconds",
                                     "Time the last snapshot held the event loop.",
                                     value=d.last_snapshot_seconds)

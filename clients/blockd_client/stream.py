@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -35,6 +35,24 @@ class StepStreamer:
         self._responses: Iterator[pb.StepResponse] | None = None
         #: Streams opened (1 + reconnects), for tests and logs.
         self.opened = 0
+        # The stream has no deadline; each round trip gets the client's timeout from one
+        # watchdog thread per streamer (a timer thread per Step would cost more than the Step).
+        #: (monotonic deadline, the call to cancel) of the round trip in flight, if any.
+        self._waiting: tuple[float, Any] | None = None
+        self._wait_lock = threading.Lock()
+        self._expired = False
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    def _watch(self) -> None:
+        tick = min(0.1, self.client.timeout / 4)
+        while not self._closed.wait(tick):
+            with self._wait_lock:  # never cancel a round trip that has just been answered
+                waiting = self._waiting
+                if waiting is not None and time.monotonic() > waiting[0]:
+                    self._expired = True
+                    self._waiting = None
+                    waiting[1].cancel()
 
     def _open(self) -> None:
         self._requests = queue.Queue()
@@ -57,11 +75,15 @@ class StepStreamer:
                 if self._responses is None:
                     self._open()
                 assert self._requests is not None and self._responses is not None
-                self._requests.put(req)
-                # The stream has no deadline; each round trip gets the client's timeout.
+                if self._watchdog is None:
+                    self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                                      name="blockd-step-deadline")
+                    self._watchdog.start()
                 responses = self._responses
-                timer = threading.Timer(self.client.timeout, responses.cancel)  # type: ignore[attr-defined]
-                timer.start()
+                with self._wait_lock:
+                    self._expired = False
+                    self._waiting = (time.monotonic() + self.client.timeout, responses)
+                self._requests.put(req)
                 try:
                     return next(responses)
                 except StopIteration:  # the daemon ended the stream (drained): reopen
@@ -70,13 +92,14 @@ class StepStreamer:
                     err: grpc.RpcError | None = None
                 except grpc.RpcError as exc:
                     self._drop()
-                    if exc.code() == grpc.StatusCode.CANCELLED and timer.finished.is_set():
+                    if exc.code() == grpc.StatusCode.CANCELLED and self._expired:
                         raise BlockdError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                           f"no answer within {self.client.timeout} s") from None
                     err_code = exc.code()
                     err = exc
                 finally:
-                    timer.cancel()
+                    with self._wait_lock:
+                        self._waiting = None
                 if err_code != grpc.StatusCode.UNAVAILABLE:
                     raise BlockdError.from_rpc(err) from None  # type: ignore[arg-type]
                 c = self.client
@@ -91,4 +114,5 @@ class StepStreamer:
 
     def close(self) -> None:
         with self._lock:
+            self._closed.set()
             self._drop()

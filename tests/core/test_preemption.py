@@ -337,14 +337,15 @@ def test_policy_off_keeps_todays_behaviour() -> None:
         make(preemption="lowest")
 
 
-def test_take_preempted_respects_the_limit() -> None:
+def test_take_preempted_drains_every_notice_in_preemption_order() -> None:
     m = make(num_blocks=4)
     lo = m.open_session("lo").id
     hi = m.open_session("hi").id
     ids = [ok(admit(m, lo, 1, token=t)) for t in range(4)]
     ok(admit(m, hi, 4, token=9))
-    assert m.take_preempted(lo, 3) == ids[::-1][:3]
-    assert m.take_preempted(lo, 3) == ids[::-1][3:]
+    assert m.take_preempted(lo) == ids[::-1]  # latest admitted preempted first
+    assert m.take_preempted(lo) == []
+    assert m.take_preempted(hi) == []
 
 
 # -- randomized ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,15 @@ class Daemon:
     @property
     def metrics_url(self) -> str:
         return f"http://{self.endpoints['metrics']}/metrics"
+
+    def metric(self, name: str) -> float:
+        """One series of the daemon's metrics, e.g. ``blockd_evictions_total`` or
+        ``blockd_preemptions_total{tenant="acme"}``, scraped over HTTP."""
+        body = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
+        for line in body.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"{name} not exported")
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

@@ -346,6 +346,7 @@ def test_event_subscribers_resync_after_a_restart(state_daemon: dict[str, Daemon
     assert [e.block_stored.parent_block_hash for e in events[1:]] == [
         e.block_stored.parent_block_hash for e in stored]
     assert all(e.epoch == stored[0].epoch for e in events)
+    assert d.metric("blockd_snapshot_uncached_sequences_total") == 0  # nothing was flushed
     session.detach()
     client.close()
 
@@ -376,5 +377,33 @@ def test_state_that_cannot_be_replayed_is_kept_aside_and_a_new_epoch_starts(
     assert type(err.value).__name__ == "EpochChanged" and session.epoch != old
     out = session.step([rq.admit(list(range(9)), NS)])  # the new epoch serves
     assert out.results[0].status.code == 0
+    session.detach()
+    client.close()
+
+
+def test_a_stream_step_to_a_hung_daemon_times_out_and_the_stream_recovers(
+        state_daemon: dict[str, Daemon]) -> None:
+    """The StepStream has no deadline of its own: each round trip gets the client's timeout
+    (one watchdog thread per session), and the next Step opens a fresh stream."""
+    d = state_daemon["d"]
+    client = Client(f"unix:{d.endpoints['unix']}", token=TOKENS["alice"], timeout=1.0)
+    session = client.attach("acme", LAYOUT, worker_name="alice", stream=True)
+    out = session.step([rq.admit(list(range(9)), NS)])
+    seq = out.results[0].admit.sequence_id
+    session.complete(out.fence)
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BlockdError) as err:
+            session.step([rq.append(seq, [1])])
+        assert err.value.status == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 5
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    # The timed-out Step may or may not have been applied: the worker retries its step_id.
+    session.state.counter.step_id -= 1
+    again = session.step([rq.append(seq, [1])])
+    assert again.results[0].status.code == 0 and again.results[0].append.num_tokens == 10
+    assert session.streamer.opened == 2
     session.detach()
     client.close()

@@ -1,9 +1,7 @@
 """Leases, SIGTERM draining, SIGHUP reloads, and metrics that move with the workload."""
 
-import re
 import signal
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -13,13 +11,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.server.tenants_file import token_hash
-
-
-def metric(d, name: str) -> float:  # type: ignore[no-untyped-def]
-    body = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", body, re.M)
-    assert m, name
-    return float(m.group(1))
 
 
 def test_lease_expiry_reclaims_a_silent_sessions_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -113,20 +104,20 @@ def test_metrics_follow_the_workload(tmp_path) -> None:  # type: ignore[no-untyp
     d = start(tmp_path / "metrics")
     try:
         w = Worker(d.stub("tcp"), "alice", "acme")
-        assert metric(d, "blockd_prefix_cache_hit_tokens_total") == 0
+        assert d.metric("blockd_prefix_cache_hit_tokens_total") == 0
         prompt = list(range(50, 63))
         seq = w.admit(prompt).sequence_id
         w.step(commit(seq))
         w.step(completed=1)
-        queried = metric(d, "blockd_prefix_cache_queried_tokens_total")
+        queried = d.metric("blockd_prefix_cache_queried_tokens_total")
         for i in range(3):
             w.admit(prompt + [i])
-        assert metric(d, "blockd_prefix_cache_hit_tokens_total") == 3 * 12
-        assert metric(d, "blockd_prefix_cache_queried_tokens_total") == queried + 3 * 14
-        assert metric(d, "blockd_sessions") == 1
-        assert metric(d, 'blockd_tenant_used_blocks{tenant="acme"}') > 0
-        assert metric(d, "blockd_step_duration_seconds_count") >= 5
-        assert metric(d, "blockd_tail_waste_tokens") == (4 * 4 - 13) + 3 * (4 * 4 - 14)
+        assert d.metric("blockd_prefix_cache_hit_tokens_total") == 3 * 12
+        assert d.metric("blockd_prefix_cache_queried_tokens_total") == queried + 3 * 14
+        assert d.metric("blockd_sessions") == 1
+        assert d.metric('blockd_tenant_used_blocks{tenant="acme"}') > 0
+        assert d.metric("blockd_step_duration_seconds_count") >= 5
+        assert d.metric("blockd_tail_waste_tokens") == (4 * 4 - 13) + 3 * (4 * 4 - 14)
     finally:
         d.stop()
 

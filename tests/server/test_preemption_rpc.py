@@ -14,7 +14,6 @@ import copy
 import random
 import threading
 import time
-import urllib.request
 import zlib
 from typing import Any
 
@@ -48,14 +47,6 @@ def pdaemon(tmp_path: Any) -> Daemon:
     d.stop()
 
 
-def metric(d: Daemon, name: str) -> float:
-    body = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
-    for line in body.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{name} not exported")
-
-
 def prompt(k: int, blocks: int) -> list[int]:
     return [k * 1000 + i for i in range(blocks * 4)]
 
@@ -71,12 +62,12 @@ def test_preempting_then_notice_then_aborted_then_success(pdaemon: Daemon) -> No
     # priority 0) gives way; its blocks wait for the low worker's fence 1.
     r = high.step(admit(prompt(9, 2)), fence=0).results[0]
     assert (r.status.code, r.status.field) == (EXHAUSTED, "preempting"), r.status
-    assert metric(pdaemon, 'blockd_preemptions_total{tenant="acme"}') == 1
-    assert metric(pdaemon, 'blockd_allocation_failures_total{reason="preempting"}') == 1
+    assert pdaemon.metric('blockd_preemptions_total{tenant="acme"}') == 1
+    assert pdaemon.metric('blockd_allocation_failures_total{reason="preempting"}') == 1
     # A retry before the fence completes preempts nobody else.
     r = high.step(admit(prompt(9, 2)), fence=0).results[0]
     assert (r.status.code, r.status.field) == (EXHAUSTED, "pool"), r.status
-    assert metric(pdaemon, 'blockd_preemptions_total{tenant="acme"}') == 1
+    assert pdaemon.metric('blockd_preemptions_total{tenant="acme"}') == 1
     # The victim's worker learns it in its next Step; an operation on it is ABORTED.
     resp = low.step(append(seqs[2], [1]), commit(seqs[0]), fence=2)
     assert [(p.sequence_id, p.reason) for p in resp.preempted] == [(seqs[2], "priority")]
@@ -110,7 +101,7 @@ def test_policy_off_only_answers_pool(tmp_path: Any) -> None:
         r = high.step(admit(prompt(2, 1), priority=100), fence=0).results[0]
         assert (r.status.code, r.status.field) == (EXHAUSTED, "pool")
         assert not low.step(fence=0).preempted
-        assert metric(d, 'blockd_preemptions_total{tenant="acme"}') == 0
+        assert d.metric('blockd_preemptions_total{tenant="acme"}') == 0
     finally:
         d.stop()
 
@@ -250,5 +241,5 @@ def test_two_workers_under_pool_pressure_neither_deadlock_nor_corrupt(pdaemon: D
     assert high.finished >= 12
     assert high.preempted == 0 and high.aborted == 0  # nobody outranks it
     assert low.preempted > 0  # the pressure was real: the daemon preempted the low worker
-    assert metric(pdaemon, 'blockd_preemptions_total{tenant="acme"}') == low.preempted
-    assert metric(pdaemon, 'blockd_preemptions_total{tenant="globex"}') == 0
+    assert pdaemon.metric('blockd_preemptions_total{tenant="acme"}') == low.preempted
+    assert pdaemon.metric('blockd_preemptions_total{tenant="globex"}') == 0
