@@ -1,9 +1,11 @@
 """The block-manager core: pure Python (+ numpy at most), no grpc, torch or cuda.
 
-All policy lives here and is tested on the CPU; the server only converts protobuf to these calls.
+All policy lives here and is tested on the CPU. ``BlockManager`` (manager.py) is the facade
+over rooms of one concept each (blocks, caching, admission, fences, preemption, invariants...);
+the runtime above it calls the facade and reads its result records, never the rooms.
 """
 
-from blockd.core.allocator import STATE_NAMES, BlockAllocator
+from blockd.core.blocks import STATE_NAMES, BlockArrays
 from blockd.core.errors import (
     Aborted,
     BlockdError,
@@ -17,15 +19,21 @@ from blockd.core.errors import (
     Unauthenticated,
     Unavailable,
 )
-from blockd.core.manager import (
+from blockd.core.events import AllBlocksCleared, BlockRemoved, BlockStored, CoreEvent, EventSink
+from blockd.core.ids import SequenceIds
+from blockd.core.manager import BlockManager
+from blockd.core.namespace import NamespaceFields, PrefixScope
+from blockd.core.results import (
     AdmitResult,
     AppendResult,
-    BlockManager,
+    BatchAppend,
+    BlockInfo,
     CopyOp,
     DoesNotFit,
     PositionInfo,
+    SessionView,
+    TenantUsage,
 )
-from blockd.core.namespace import NamespaceFields, PrefixScope
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import Sharing, TenantPolicy
 
@@ -33,9 +41,16 @@ __all__ = [
     "STATE_NAMES",
     "Aborted",
     "AdmitResult",
+    "AllBlocksCleared",
     "AppendResult",
-    "BlockAllocator",
+    "BatchAppend",
+    "BlockArrays",
+    "BlockInfo",
     "BlockManager",
+    "BlockRemoved",
+    "BlockStored",
+    "CoreEvent",
+    "EventSink",
     "BlockdError",
     "CopyOp",
     "DoesNotFit",
@@ -49,9 +64,12 @@ __all__ = [
     "PositionInfo",
     "PrefixScope",
     "ResourceExhausted",
+    "SequenceIds",
+    "SessionView",
     "Sharing",
     "StatusCode",
     "TenantPolicy",
+    "TenantUsage",
     "Unauthenticated",
     "Unavailable",
 ]

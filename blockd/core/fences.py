@@ -7,30 +7,32 @@ fence value the worker will report once that step's GPU work is done. Until then
   read it);
 * a committed block is immutable but not yet in the prefix index (its K/V may not be written).
 
-Fence value 0 means "no GPU work outstanding" and completes at once.
+The one fence rule (stated here, enforced by :class:`FenceLedger`):
+
+* A Step's fence 0 means the step itself launches no GPU work. Its releases still wait for the
+  session's latest *announced* fence, since earlier steps' kernels may read the blocks; only
+  when nothing is outstanding (announced == completed) do they complete at once.
+* A nonzero fence must exceed both the completed fence and every earlier step's fence.
+* A fence reported over RPC (a Heartbeat, a Step's ``completed_fence``) beyond the highest fence
+  announced is refused (INVALID_ARGUMENT): the worker contradicts itself.
+* A fence read from the worker's fence page is *clamped* to the highest fence announced: the page
+  is written asynchronously (possibly by the GPU stream) and can run ahead of the Steps the
+  daemon has seen; completing a fence no Step named would retire blocks on the worker's word.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+
+from blockd.core.blocks import PENDING, BlockArrays
+from blockd.core.caching import CommitBatch, PrefixCache
+from blockd.core.errors import InvalidArgument
 
 RELEASE = 0
 COMMIT = 1
-
-
-@dataclass(slots=True)
-class CommitBatch:
-    """Full blocks of one sequence to index, in order, once their fence completes."""
-
-    #: The committing sequence's chain list (shared with the sequence while it lives).
-    chain: list[int]
-    #: Logical index of ``blocks[0]`` in the sequence.
-    start: int
-    blocks: list[int]
-    keys: list[bytes]
-    chunks: list[bytes]
-    ns_id: int
 
 
 @dataclass(slots=True)
@@ -45,7 +47,7 @@ class Session:
     issued: int = 0
     #: (fence, kind, payload) in issue order; payload is a list of block ids (RELEASE) or a
     #: CommitBatch (COMMIT).
-    waiting: deque[tuple[int, int, object]] = field(default_factory=deque)
+    waiting: deque[tuple[int, int, array[int] | CommitBatch]] = field(default_factory=deque)
     #: Live sequences of this session (bounds the preemption notices one answer can carry).
     num_sequences: int = 0
     #: Sequences of this session preempted for a higher-priority request that the worker has
@@ -58,3 +60,149 @@ class Session:
 
     def is_complete(self, fence: int) -> bool:
         return fence <= self.completed
+
+
+#: Completing "every fence" (a session that ends): above any fence a worker can name.
+ALL_FENCES = 2**64
+
+
+class FenceLedger:
+    """Every session's fence bookkeeping: announce, validate, drop references, complete.
+
+    Owns ``BlockArrays.pend``: the number of releases of each block whose fence has not
+    completed. A block is reused (reallocated or scrubbed) only when ``ref == 0`` and
+    ``pend == 0``; this class is the only writer of ``pend`` and of the sessions' ``waiting``
+    queues.
+    """
+
+    def __init__(self, blocks: BlockArrays, cache: PrefixCache) -> None:
+        self.blocks = blocks
+        self.cache = cache
+
+    # -- validation and announcement ----------------------------------------------------------
+
+    def begin_step(self, session: Session, fence: int, completed_fence: int) -> None:
+        """Apply a Step's reported progress, then announce its fence; both checked first."""
+        if completed_fence < 0 or completed_fence > max(session.issued, session.completed):
+            raise InvalidArgument(
+                f"completed_fence {completed_fence} is beyond the highest fence issued "
+                f"({session.issued})", field="completed_fence")
+        done = max(session.completed, completed_fence)
+        if fence < 0 or (fence and (fence <= done or fence < session.issued)):
+            raise InvalidArgument(
+                f"fence {fence} must be 0 or above both the completed fence ({done}) and "
+                f"every earlier step's fence ({session.issued})", field="fence")
+        if completed_fence > session.completed:
+            self.complete(session, completed_fence)
+        if fence:
+            session.issued = fence
+
+    def validate(self, session: Session, fence: int, announce: bool = True) -> int:
+        """Validate an operation's fence and return the fence its releases and commits wait
+        for (the module docstring's rule). A nonzero fence is announced unless ``announce``
+        is False: an operation that may still fail announces only once it has succeeded."""
+        if fence == 0:
+            return session.issued
+        if fence < 0:
+            raise InvalidArgument("fence must be >= 0", field="fence")
+        if fence <= session.completed:
+            raise InvalidArgument(
+                f"fence {fence} is already complete (completed fence is {session.completed})",
+                field="fence")
+        if fence < session.issued:
+            raise InvalidArgument(
+                f"fence {fence} is below an earlier step's fence {session.issued}", field="fence")
+        if announce:
+            session.issued = fence
+        return fence
+
+    @staticmethod
+    def announce(session: Session, fence: int) -> None:
+        """A validated fence is now in use (fences never go backwards)."""
+        if fence > session.issued:
+            session.issued = fence
+
+    # -- releases and commits -----------------------------------------------------------------
+
+    def drop_refs(self, session: Session, blocks: Seq[int], fence: int) -> None:
+        """Drop one reference on each block under ``fence``.
+
+        A block no sequence references any more is reused only after every fence that covered
+        one of its releases has completed: ``pend`` counts those fences.
+        """
+        arrays = self.blocks
+        ref = arrays.ref
+        if session.is_complete(fence):
+            idle = []
+            for b in blocks:
+                ref[b] -= 1
+                if ref[b] == 0 and arrays.pend[b] == 0:
+                    idle.append(b)
+                elif ref[b] == 0:
+                    arrays.state[b] = PENDING
+            # Reverse order: a sequence's tail block is cached first, so it is evicted first.
+            self.cache.idle(reversed(idle))
+            return
+        pend = arrays.pend
+        state = arrays.state
+        for b in blocks:
+            ref[b] -= 1
+            pend[b] += 1
+            if ref[b] == 0:
+                state[b] = PENDING
+        session.waiting.append((fence, RELEASE, array("i", blocks)))
+
+    def commit(self, session: Session, fence: int, batch: CommitBatch) -> None:
+        """Index ``batch`` once ``fence`` completes (at once if it already has)."""
+        if session.is_complete(fence):
+            self.cache.apply_commit(batch)
+        else:
+            session.waiting.append((fence, COMMIT, batch))
+
+    # -- completion ---------------------------------------------------------------------------
+
+    def report(self, session: Session, fence: int, *, clamp_to_issued: bool = False) -> int:
+        """The worker says its GPU work up to ``fence`` is done; returns the fence completed
+        now, or 0 when nothing advanced. ``clamp_to_issued``: a fence-page value (see the
+        module docstring); otherwise a value beyond what was issued is refused."""
+        if fence < 0:
+            raise InvalidArgument("completed_fence must be >= 0", field="completed_fence")
+        if fence > session.issued:
+            if not clamp_to_issued:
+                raise InvalidArgument(
+                    f"completed_fence {fence} is beyond the highest fence issued "
+                    f"({session.issued})", field="completed_fence")
+            fence = session.issued
+        if fence <= session.completed:
+            return 0
+        self.complete(session, fence)
+        return fence
+
+    def complete(self, session: Session, fence: int, drop_commits_after: int | None = None
+                 ) -> None:
+        """Retire everything waiting for fences up to ``fence``. Commits waiting for a fence
+        above ``drop_commits_after`` are dropped instead of applied (a session that ends)."""
+        session.completed = max(session.completed, min(fence, 2**63))
+        waiting = session.waiting
+        arrays = self.blocks
+        ref = arrays.ref
+        pend = arrays.pend
+        cache = self.cache
+        while waiting and waiting[0][0] <= fence:
+            f, kind, payload = waiting.popleft()
+            if isinstance(payload, CommitBatch):
+                if drop_commits_after is None or f <= drop_commits_after:
+                    cache.apply_commit(payload)
+                else:
+                    cache.drop_commit(payload)
+                continue
+            idle = []
+            for b in payload:
+                pend[b] -= 1
+                if pend[b] == 0 and ref[b] == 0:
+                    idle.append(b)
+            cache.idle(reversed(idle))
+
+    def end(self, session: Session) -> None:
+        """A session that ends: its releases complete, its unconfirmed commits are dropped."""
+        self.complete(session, ALL_FENCES, drop_commits_after=session.completed)

@@ -82,7 +82,7 @@ class Namespace:
 
 
 class NamespaceTable:
-    """Interns namespaces and recycles their ids. Owned by the BlockManager."""
+    """Interns namespaces and recycles their ids. Owned by the manager, used by caching."""
 
     def __init__(self, seed: int, max_namespaces: int = 2**31 - 1) -> None:
         self._seed = seed
@@ -92,6 +92,29 @@ class NamespaceTable:
         self._free_ids: list[int] = []
         # Id 0 is never assigned: a zero in the per-block array means "no namespace".
         self._next_id = 1
+        #: (scope, tenant slot) -> its namespace: encoding and hashing the fields costs more
+        #: than the rest of a short lookup. Cleared when tenants (sharing domains) change.
+        self._requests: dict[tuple[PrefixScope, int], Namespace] = {}
+
+    def for_request(self, scope: PrefixScope, tenant: int, sharing_domain: str) -> Namespace:
+        """The interned namespace of a request: the client's scope plus the sharing domain the
+        server derived from the caller's tenant (``tenant`` is its slot, the memo's key)."""
+        key = (scope, tenant)
+        ns = self._requests.get(key)
+        if ns is not None and self.is_live(ns):
+            return ns
+        ns = self.intern(NamespaceFields(
+            model_id=scope.model_id, model_revision=scope.model_revision,
+            lora_id=scope.lora_id, tokenizer_digest=scope.tokenizer_digest,
+            sharing_domain=sharing_domain, salt=scope.salt))
+        if len(self._requests) >= 4096:
+            self._requests.clear()
+        self._requests[key] = ns
+        return ns
+
+    def forget_requests(self) -> None:
+        """Sharing domains may have changed (a tenants reload): drop the request memo."""
+        self._requests.clear()
 
     def intern(self, fields: NamespaceFields) -> Namespace:
         """The namespace for ``fields``, created on first use (refs start at 0)."""

@@ -21,7 +21,7 @@ therefore never vouches for the children of its former self, whose K/V were comp
 old content. A forced collision of the hash yields a miss, never another prefix's K/V.
 
 Only COMMITTED/PENDING/CACHED blocks whose commit fence has passed are in the index; the
-BlockManager inserts them when that fence completes.
+caching room inserts them when that fence completes.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from collections.abc import Callable
 from operator import eq
 
 import xxhash
+
+from blockd.core.errors import Internal
 
 NO_PARENT = -1
 
@@ -225,7 +227,8 @@ class PrefixIndex:
     def remove(self, block: int) -> int:
         """Drop ``block`` from the index; returns its namespace id."""
         key = self.key[block]
-        assert key is not None
+        if key is None:
+            raise Internal(f"block {block} is not indexed")
         del self.map[key]
         self.key[block] = None
         self.tokens[block] = None
@@ -235,9 +238,6 @@ class PrefixIndex:
         ns_id = self.ns[block]
         self.ns[block] = 0
         return ns_id
-
-    def is_indexed(self, block: int) -> bool:
-        return self.key[block] is not None
 
     def is_child(self, block: int, parent: int) -> bool:
         """Whether ``block`` was indexed after exactly this incarnation of ``parent``."""

@@ -31,12 +31,19 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from blockd.core.fences import COMMIT, CommitBatch
+from blockd.core.caching import CommitBatch
+from blockd.core.errors import Internal
+from blockd.core.events import EventSink
+from blockd.core.ids import SequenceIds
 from blockd.core.prefix_index import HashFactory
 
 if TYPE_CHECKING:
-    from blockd.core.manager import BlockManager, EventSink
+    from blockd.core.manager import BlockManager
     from blockd.core.sequence import Sequence
+
+#: Bumped whenever the pickled layout changes (module paths, room classes, fields). A reader
+#: that finds another version must not unpickle it: the runtime starts a new epoch instead.
+FORMAT_VERSION = 2
 
 
 def dump(manager: BlockManager) -> bytes:
@@ -58,11 +65,15 @@ def dump(manager: BlockManager) -> bytes:
             manager.sequences[seq_id].stream = stream
 
 
-def load(data: bytes, *, on_event: EventSink | None = None,
+def load(data: bytes, *, events: EventSink | None = None, ids: SequenceIds | None = None,
          hasher_factory: HashFactory | None = None) -> BlockManager:
-    """A manager restored from ``dump``'s bytes; key streams are rebuilt."""
+    """A manager restored from ``dump``'s bytes; key streams are rebuilt.
+
+    ``events`` and ``ids`` are injected again (they are not part of a snapshot).
+    """
     manager: BlockManager = pickle.loads(data)  # noqa: S301 (our own private state file)
-    manager.on_event = on_event
+    manager.set_event_sink(events)
+    manager.set_ids(ids if ids is not None else SequenceIds())
     if hasher_factory is not None:
         manager.index.set_hasher_factory(hasher_factory)
     index = manager.index
@@ -80,9 +91,8 @@ def _stream_prefixes(m: BlockManager) -> dict[str, bytes]:
     chunk_bytes = m.index.chunk_bytes
     pending: dict[int, bytes] = {}
     for session in m.sessions.values():
-        for _, kind, payload in session.waiting:
-            if kind == COMMIT:
-                assert isinstance(payload, CommitBatch)
+        for _, _kind, payload in session.waiting:
+            if isinstance(payload, CommitBatch):
                 for b, chunk in zip(payload.blocks, payload.chunks, strict=True):
                     pending[b] = chunk
     out: dict[str, bytes] = {}
@@ -94,7 +104,8 @@ def _stream_prefixes(m: BlockManager) -> dict[str, bytes]:
             _uncache(seq)
             m.counters.uncacheable_after_snapshot += 1
             continue
-        assert len(prefix) == seq.num_committed * chunk_bytes
+        if len(prefix) != seq.num_committed * chunk_bytes:
+            raise Internal(f"sequence {seq.id}: committed token ids do not match its blocks")
         out[seq.id] = prefix
     return out
 
@@ -103,7 +114,7 @@ def _prefix_of(m: BlockManager, seq: Sequence, pending: dict[int, bytes]) -> byt
     index = m.index
     tokens = index.tokens
     key = index.key
-    dup = m._dup  # noqa: SLF001 (the snapshot is part of the manager's own package)
+    dup = m.cache.dup
     parts = []
     for b in seq.table[: seq.num_committed]:
         # The sequence references b, so b is neither evicted nor reused: whatever the index

@@ -8,22 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from blockd import wire
 from blockd.core.errors import InvalidArgument
+from blockd.wire import MAX_NUM_BLOCKS
 
-#: Bytes per element of each KV dtype the kernels support.
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3": 1,
-}
-
-#: Physical order of one layer's K (and V) cache. The only one today; see gpu/ docs.
-KV_ORDERS = ("block_token_head_dim",)
-
-MAX_BLOCK_SIZE = 256
-#: Block ids travel as uint32 and are stored in int32 arrays.
-MAX_NUM_BLOCKS = 2**31 - 1
+__all__ = ["MAX_NUM_BLOCKS", "PoolSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +22,10 @@ class PoolSpec:
     Per layer, K and V are each ``[num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype``
     (``kv_order`` names that order). With tensor parallelism there are ``tp_size`` such shards,
     one per device, each holding ``num_kv_heads`` heads; all shards share one block id space.
+    The rules for every field are ``blockd.wire``'s, the same the workers' kernels apply.
     """
 
-    #: Tokens per block, 1..256.
+    #: Tokens per block: a power of two in 1..256 (``wire.check_block_size``).
     block_size: int
     #: Physical blocks in the pool, 1..2^31-1.
     num_blocks: int
@@ -45,51 +35,41 @@ class PoolSpec:
     num_kv_heads: int = 1
     #: Elements per head.
     head_dim: int = 64
-    #: Element type, one of ``DTYPE_BYTES``.
+    #: Element type, a ``wire.DTYPES`` name (aliases such as "bf16" are normalised).
     dtype: str = "float16"
-    #: Physical order of a layer's cache, one of ``KV_ORDERS``.
-    kv_order: str = "block_token_head_dim"
+    #: Physical order of a layer's cache, a ``wire.KV_ORDERS`` name (aliases normalised).
+    kv_order: str = wire.KV_ORDER
     #: Tensor-parallel shards.
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise InvalidArgument(
-                f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {self.block_size}",
-                field="block_size",
-            )
-        if not 1 <= self.num_blocks <= MAX_NUM_BLOCKS:
-            raise InvalidArgument(
-                f"num_blocks must be in 1..{MAX_NUM_BLOCKS}, got {self.num_blocks}",
-                field="num_blocks",
-            )
-        for name in ("num_layers", "num_kv_heads", "head_dim", "tp_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be a positive integer, got {value!r}",
-                                      field=name)
-        if self.dtype not in DTYPE_BYTES:
-            raise InvalidArgument(
-                f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}", field="dtype"
-            )
-        if self.kv_order not in KV_ORDERS:
-            raise InvalidArgument(f"kv_order must be one of {KV_ORDERS}, got {self.kv_order!r}",
-                                  field="kv_order")
+        try:
+            wire.check_block_size(self.block_size)
+            for name in ("num_blocks", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
+                wire.check_count(getattr(self, name), name)
+            if self.num_blocks > MAX_NUM_BLOCKS:
+                raise wire.WireError("num_blocks", f"must be in 1..{MAX_NUM_BLOCKS}, "
+                                     f"got {self.num_blocks}")
+            # Frozen: normalise through object.__setattr__ so "bf16" and "bfloat16" compare equal.
+            object.__setattr__(self, "dtype", wire.canonical_dtype(self.dtype))
+            object.__setattr__(self, "kv_order", wire.canonical_kv_order(self.kv_order))
+        except wire.WireError as exc:
+            raise InvalidArgument(str(exc), field=exc.field) from None
 
     @property
     def token_bytes(self) -> int:
         """Bytes of K plus V of one token, all layers, one shard."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        return wire.token_bytes(self)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block: K and V of ``block_size`` tokens, all layers, one shard."""
-        return self.block_size * self.token_bytes
+        return wire.block_bytes(self)
 
     @property
     def pool_bytes(self) -> int:
         """Bytes of one shard's pool (every shard holds this much)."""
-        return self.num_blocks * self.block_bytes
+        return wire.pool_bytes(self, self.num_blocks)
 
     def layout_mismatches(self, other: PoolSpec) -> list[str]:
         """Names of the layout fields (everything but ``num_blocks``) that differ from ``other``.

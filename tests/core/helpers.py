@@ -1,6 +1,8 @@
 """Small builders shared by the core tests."""
 
-from blockd.core import BlockManager, PoolSpec, PrefixScope, TenantPolicy
+import itertools
+
+from blockd.core import BlockManager, PoolSpec, PrefixScope, SequenceIds, TenantPolicy
 from blockd.core.snapshot import canonical
 
 SCOPE = PrefixScope("llama-tiny", model_revision="r1")
@@ -18,11 +20,11 @@ def snapshot(m: BlockManager) -> tuple:
     """Everything an operation could change, for 'changed nothing' assertions."""
     return (
         m.state_counts(),
-        list(m.alloc.usage),
+        list(m.blocks.usage),
         {sid: (s.table.tolist(), s.num_tokens) for sid, s in m.sequences.items()},
-        bytes(m.alloc.state),
-        m.alloc.ref.tobytes(),
-        m.alloc.pend.tobytes(),
+        bytes(m.blocks.state),
+        m.blocks.ref.tobytes(),
+        m.blocks.pend.tobytes(),
         len(m.index),
         len(m.namespaces),
     )
@@ -31,12 +33,28 @@ def snapshot(m: BlockManager) -> tuple:
 def state_of(m: BlockManager) -> object:
     """Everything the manager holds (``snapshot.canonical``), for "changed nothing" checks.
 
-    Left out: the counters, the memos (of namespaces, of a preemption that could not help),
-    the per-Step preemption scan budget,
-    and which namespace ids are free for reuse (a refused admit may intern a namespace and
-    release it again): only the live namespaces count.
+    Left out: the counters, the memos (of namespaces per request, of a preemption that could
+    not help), the per-Step preemption scan budget, and which namespace ids are free for reuse
+    (a refused admit may intern a namespace and release it again): only the live namespaces
+    count.
     """
-    return tuple((name, canonical(value._by_id if name == "namespaces" else value))
-                 for name, value in vars(m).items()
-                 if name not in ("counters", "_ns_cache", "_no_victims", "preempt_scans_left"))
+    return tuple((name, canonical(value)) for name, value in (
+        ("blocks", m.blocks), ("index", m.index), ("namespaces", m.namespaces._by_id),
+        ("sessions", m.sessions), ("sequences", m.sequences), ("dup", m.cache.dup),
+        ("scrub", m.admission._scrub), ("tenants", m.tenants),
+        ("settings", (m.enable_prefix_cache, m.preempt, m.admission.scrub_always, m.seed)),
+    ))
 
+
+class CountingIds(SequenceIds):
+    """Deterministic sequence ids (q0, q1, ...): the manager iterates sets of them
+    (close_session), so random ids would make a failing run impossible to replay and shrink."""
+
+    __slots__ = ("_count",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._count = itertools.count()
+
+    def new(self) -> str:
+        return f"q{next(self._count)}"

@@ -22,7 +22,7 @@ from blockd.core.tenants import Sharing
 def busy():  # type: ignore[no-untyped-def]
     """A manager with some of everything: live, committed, cached and pending blocks."""
     m = manager(num_blocks=16)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     a = m.admit(s, SCOPE, list(range(10)))
     m.commit(s, a.seq_id, fence=1)
     m.complete_fence(s, 1)
@@ -97,7 +97,7 @@ def test_bad_input_is_rejected_and_changes_nothing(busy, name, exc, field, call)
 
 def test_another_sessions_sequence_is_permission_denied(busy) -> None:  # type: ignore[no-untyped-def]
     m, s, q = busy
-    other = m.open_session("acme").id
+    other = m.open_session("acme")
     for call in (lambda: m.append(other, q, [1]), lambda: m.release(other, q),
                  lambda: m.fork(other, q), lambda: m.commit(other, q),
                  lambda: m.block_table(other, q), lambda: m.inspect(other, q)):
@@ -106,7 +106,7 @@ def test_another_sessions_sequence_is_permission_denied(busy) -> None:  # type: 
 
 def test_does_not_fit_is_a_result_and_changes_nothing() -> None:
     m = manager(num_blocks=4)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     a = m.admit(s, SCOPE, list(range(12)))
     before = snapshot(m)
     out = m.admit(s, SCOPE, list(range(100, 110)))

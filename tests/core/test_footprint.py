@@ -11,7 +11,7 @@ import tracemalloc
 from helpers import SCOPE
 
 from blockd.core import BlockManager, PoolSpec, TenantPolicy
-from blockd.core.allocator import BYTES_PER_BLOCK as ALLOC_BYTES
+from blockd.core.blocks import BYTES_PER_BLOCK as ALLOC_BYTES
 from blockd.core.prefix_index import BYTES_PER_BLOCK as INDEX_BYTES
 
 N = 1_000_000
@@ -43,7 +43,7 @@ def test_full_pool_is_under_64_bytes_per_block() -> None:
     """Every block held by one of 10,000 live sequences (100 blocks each, caching off)."""
     spec = PoolSpec(block_size=16, num_blocks=N)
     m = BlockManager(spec, [TenantPolicy("acme", quota_blocks=N)])
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     prompt = bytes(16 * 100 * 4)  # 1,600 tokens (all zero) as uint32 LE bytes
 
     def fill() -> int:
@@ -60,7 +60,7 @@ def test_full_pool_is_under_64_bytes_per_block() -> None:
         grown, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert m.alloc.num_free == 0
+    assert m.blocks.num_free == 0
     fixed = ALLOC_BYTES + INDEX_BYTES
     per_block = fixed + (grown - base) / N
     assert per_block <= LIMIT, f"{per_block:.1f} bytes per block ({fixed} fixed)"

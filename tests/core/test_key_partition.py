@@ -57,7 +57,7 @@ def manager(hasher: object = None, num_blocks: int = 96,
 
 
 def session(m: BlockManager, tenant: str) -> str:
-    return m.open_session(tenant).id
+    return m.open_session(tenant)
 
 
 def admit(m: BlockManager, sid: str, scope: PrefixScope, prompt: list[int]) -> AdmitResult:
@@ -326,7 +326,7 @@ def _public_pair(hasher: object, quota_a: int = 16) -> tuple[BlockManager, str, 
          TenantPolicy("b", 16, sharing=Sharing.PUBLIC)],
         seed=1, hasher_factory=hasher,  # type: ignore[arg-type]
     )
-    return m, m.open_session("a", "sa").id, m.open_session("b", "sb").id
+    return m, m.open_session("a", "sa"), m.open_session("b", "sb")
 
 
 def test_colliding_hash_after_flush_never_hits_a_stale_child() -> None:
@@ -379,8 +379,8 @@ def test_namespace_dropped_by_admits_own_eviction_never_leaks_across_tenants() -
     m = BlockManager(PoolSpec(block_size=1, num_blocks=8),
                      [TenantPolicy("a", 1), TenantPolicy("b", 6)], seed=1,
                      hasher_factory=LenHasher)  # type: ignore[arg-type]
-    sa = m.open_session("a", "sa").id
-    sb = m.open_session("b", "sb").id
+    sa = m.open_session("a", "sa")
+    sb = m.open_session("b", "sb")
     scope = PrefixScope("m")
     first = admit_commit(m, sa, scope, [1])
     m.release(sa, first.seq_id)

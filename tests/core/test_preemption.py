@@ -59,8 +59,8 @@ def ok(out: AdmitResult | DoesNotFit) -> str:
 
 def test_lowest_priority_first_then_most_recent_first() -> None:
     m = make(num_blocks=8)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     a = ok(admit(m, lo, 2, token=1, priority=0))
     b = ok(admit(m, lo, 2, token=2, priority=-1))  # lowest: first victim
     c = ok(admit(m, lo, 2, token=3, priority=0))  # most recent of priority 0: second victim
@@ -77,19 +77,19 @@ def test_lowest_priority_first_then_most_recent_first() -> None:
 
 def test_choose_victims_order_is_priority_then_lifo() -> None:
     m = make(num_blocks=12)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     ids = [ok(admit(m, lo, 2, token=t, priority=p)) for t, p in enumerate([1, 0, 1, 0, 2, 0])]
     # Needs every block of the pool but 2: all victims except one are needed.
-    victims = pre.choose_victims(m, m.sessions[hi].tenant, (1, 0), 10, ())
+    victims = m.victims.choose(m.admission.fits, m.sessions[hi].tenant, (1, 0), 10, ())
     assert [v.id for v in victims] == [ids[5], ids[3], ids[1], ids[2], ids[0]]
     assert len(m.sequences) == 6  # choosing changes nothing
 
 
 def test_tenant_priority_outranks_sequence_priority() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     victim = ok(admit(m, lo, 4, priority=1000))  # a high request of the low tenant
     # A low request of the high tenant still outranks it: (1, -5) > (0, 1000).
     ok(admit(m, hi, 2, token=2, priority=-5))
@@ -99,7 +99,7 @@ def test_tenant_priority_outranks_sequence_priority() -> None:
 
 def test_sequence_priority_orders_within_a_tenant_and_ties_are_never_preempted() -> None:
     m = make(num_blocks=4)
-    s = m.open_session("lo").id
+    s = m.open_session("lo")
     first = ok(admit(m, s, 2, token=1, priority=3))
     second = ok(admit(m, s, 2, token=2, priority=3))
     before = snapshot(m)
@@ -115,7 +115,7 @@ def test_sequence_priority_orders_within_a_tenant_and_ties_are_never_preempted()
 
 def test_the_requesting_sequence_is_never_its_own_victim() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
+    lo = m.open_session("lo")
     other = ok(admit(m, lo, 2, token=1, priority=0))
     me = ok(admit(m, lo, 2, token=2, priority=1))
     out = m.append(lo, me, [1] * B)  # needs one more block: the other (lower) one gives way
@@ -134,7 +134,7 @@ def test_the_requesting_sequence_is_never_its_own_victim() -> None:
 
 def test_blocks_shared_with_a_survivor_are_not_counted() -> None:
     m = make(num_blocks=6)
-    s = m.open_session("lo").id
+    s = m.open_session("lo")
     prompt = list(range(4 * B))
     low = m.admit(s, SCOPE, prompt, priority=0)
     assert isinstance(low, AdmitResult)
@@ -149,13 +149,13 @@ def test_blocks_shared_with_a_survivor_are_not_counted() -> None:
     # holds each of its blocks: nothing happens.
     assert isinstance(out, DoesNotFit) and out.reason == "pool"
     assert snapshot(m) == before
-    assert pre.choose_victims(m, 0, (0, 3), 2, ()) == []
+    assert m.victims.choose(m.admission.fits, 0, (0, 3), 2, ()) == []
 
 
 def test_fork_siblings_that_are_both_victims_free_their_shared_blocks() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     parent = ok(admit(m, lo, 4, token=1))
     child = m.fork(lo, parent)[0]
     m.check_invariants()
@@ -166,8 +166,8 @@ def test_fork_siblings_that_are_both_victims_free_their_shared_blocks() -> None:
 
 def test_an_admits_own_prefix_hits_are_not_counted_as_freed() -> None:
     m = make(num_blocks=5)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     tenants = [TenantPolicy("lo", quota_blocks=5, priority=0, sharing=pre_public()),
                TenantPolicy("hi", quota_blocks=5, priority=1, sharing=pre_public())]
     m.set_tenants(tenants)
@@ -178,9 +178,9 @@ def test_an_admits_own_prefix_hits_are_not_counted_as_freed() -> None:
     m.check_invariants()
     # The hi admit hits the 4 full blocks of low and needs 1 more: preempting low frees only
     # its last block (the hits are not freed: the admit takes them), which is enough.
-    assert [v.id for v in pre.choose_victims(m, 1, (1, 0), 1, low.block_table[:4])] == [
-        low.seq_id]
-    assert pre.choose_victims(m, 1, (1, 0), 2, low.block_table[:4]) == []
+    chosen = m.victims.choose(m.admission.fits, 1, (1, 0), 1, low.block_table[:4])
+    assert [v.id for v in chosen] == [low.seq_id]
+    assert m.victims.choose(m.admission.fits, 1, (1, 0), 2, low.block_table[:4]) == []
     out = m.admit(hi, SCOPE, prompt + [7])
     m.check_invariants()
     assert isinstance(out, AdmitResult)
@@ -198,8 +198,8 @@ def pre_public():  # type: ignore[no-untyped-def]
 
 def test_nothing_is_preempted_when_all_victims_cannot_cover_the_shortfall() -> None:
     m = make(num_blocks=8)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     ok(admit(m, lo, 2, token=1))
     ok(admit(m, hi, 6, token=2))
     before = snapshot(m)
@@ -214,8 +214,8 @@ def test_nothing_is_preempted_when_the_quota_would_refuse_anyway() -> None:
     tenants = [TenantPolicy("lo", quota_blocks=8, priority=0),
                TenantPolicy("hi", quota_blocks=2, priority=1)]
     m = make(num_blocks=8, tenants=tenants)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     ok(admit(m, lo, 6, token=1))
     ok(admit(m, hi, 2, token=2))
     before = snapshot(m)
@@ -226,8 +226,8 @@ def test_nothing_is_preempted_when_the_quota_would_refuse_anyway() -> None:
 
 def test_pending_blocks_count_as_coming_and_preempt_nobody_else() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     m.begin_step(lo, 1)
     a = ok(admit(m, lo, 2, token=1))
     b = ok(admit(m, lo, 2, token=2))
@@ -249,8 +249,8 @@ def test_pending_blocks_count_as_coming_and_preempt_nobody_else() -> None:
 
 def test_victims_with_pending_fences_answer_preempting_then_succeed() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     m.begin_step(lo, 5)  # the low worker's kernels of fence 5 may read the blocks
     victim = ok(admit(m, lo, 4, token=1))
     out = admit(m, hi, 3, token=2)
@@ -268,8 +268,8 @@ def test_victims_with_pending_fences_answer_preempting_then_succeed() -> None:
 
 def test_victims_with_complete_fences_make_room_at_once() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     m.begin_step(lo, 5)
     victim = ok(admit(m, lo, 4, token=1))
     m.complete_fence(lo, 5)
@@ -280,7 +280,7 @@ def test_victims_with_complete_fences_make_room_at_once() -> None:
 
 def test_a_preempted_append_in_a_batch_and_ops_on_preempted_ids_are_aborted() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
+    lo = m.open_session("lo")
     low = ok(admit(m, lo, 1, token=1, priority=0))
     high = ok(admit(m, lo, 3, token=2, priority=1))
     # high's append needs one more block: low (later in the batch) is preempted for it.
@@ -303,7 +303,7 @@ def test_a_preempted_append_in_a_batch_and_ops_on_preempted_ids_are_aborted() ->
 
 def test_the_preempted_record_is_bounded() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
+    lo = m.open_session("lo")
     s = m.sessions[lo]
     ids = [f"id{i}" for i in range(pre.MAX_REMEMBERED + 3)]
     for seq_id in ids:  # the bounded record, exercised without 4,099 real preemptions
@@ -315,7 +315,7 @@ def test_the_preempted_record_is_bounded() -> None:
     with pytest.raises(Aborted):
         m.release(lo, ids[-1])
     # And the real path keeps it bounded too.
-    hi = m.open_session("hi").id
+    hi = m.open_session("hi")
     victim = ok(admit(m, lo, 4, token=1))
     ok(admit(m, hi, 1, token=2))
     assert len(s.preempted_ids) == pre.MAX_REMEMBERED
@@ -326,8 +326,8 @@ def test_the_preempted_record_is_bounded() -> None:
 
 def test_policy_off_keeps_todays_behaviour() -> None:
     m = make(num_blocks=4, preemption="off")
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     ok(admit(m, lo, 4, token=1))
     before = snapshot(m)
     out = admit(m, hi, 1, token=2, priority=100)
@@ -339,8 +339,8 @@ def test_policy_off_keeps_todays_behaviour() -> None:
 
 def test_take_preempted_drains_every_notice_in_preemption_order() -> None:
     m = make(num_blocks=4)
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     ids = [ok(admit(m, lo, 1, token=t)) for t in range(4)]
     ok(admit(m, hi, 4, token=9))
     assert m.take_preempted(lo) == ids[::-1]  # latest admitted preempted first
@@ -376,7 +376,7 @@ OPS = st.lists(
 @given(OPS)
 def test_random_workloads_keep_invariants_and_never_starve(ops: list[tuple]) -> None:
     m = BlockManager(PoolSpec(block_size=B, num_blocks=14), TENANTS, seed=3)
-    sessions = [m.open_session(t).id for t in ("t0", "t1", "t2", "t0")]
+    sessions = [m.open_session(t) for t in ("t0", "t1", "t2", "t0")]
     live: list[str] = []
     fences = [0] * len(sessions)
     for kind, si, a, b, c in ops:
@@ -422,17 +422,17 @@ def test_random_workloads_keep_invariants_and_never_starve(ops: list[tuple]) -> 
     top = (TENANTS[1].priority, 10)
     sid = sessions[1]
     for need in range(1, 8):
-        lower = [q for q in m.sequences.values() if pre.priority_of(m, q) < top]
+        lower = [q for q in m.sequences.values() if m.victims.priority_of(q) < top]
         freeable = sorted({blk for q in lower for blk in q.table
-                           if all(pre.priority_of(m, o) < top
+                           if all(m.victims.priority_of(o) < top
                                   for o in m.sequences.values() if blk in o.table)})
-        freed = [0] * len(m.alloc.usage)
+        freed = [0] * len(m.blocks.usage)
         for blk in freeable:
-            freed[m.alloc.owner[blk]] += 1
+            freed[m.blocks.owner[blk]] += 1
         tenant = m.sessions[sid].tenant
-        now = m._fits(tenant, need, ())  # noqa: SLF001
+        now = m.admission.fits(tenant, need, ())  # noqa: SLF001
         # Preemption answers a "pool" refusal only ("quota" and "guarantee" are policy).
-        fits = now is None or (now.reason == "pool" and m._fits(  # noqa: SLF001
+        fits = now is None or (now.reason == "pool" and m.admission.fits(  # noqa: SLF001
             tenant, need, (), len(freeable), freed) is None)
         before = snapshot(m)
         out = m.admit(sid, pre_scope(3), [5000 + i for i in range(need * B)], priority=10,
@@ -461,17 +461,17 @@ def test_refusals_that_preemption_cannot_help_do_not_rescan_every_sequence(
     block once per admission (minutes). A request larger than the pool is answered without
     any scan, and one that victims cannot help is scanned once per unchanged pool."""
     scans = []
-    real = pre._scan
+    real = pre.VictimChooser._scan
 
     def counting(*args: object) -> list[object]:
-        scans.append(args[3])  # need
+        scans.append(args[4])  # need (after self and fits)
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pre, "_scan", counting)
+    monkeypatch.setattr(pre.VictimChooser, "_scan", counting)
     m = make(num_blocks=16, tenants=[TenantPolicy("lo", quota_blocks=64, priority=0),
                                      TenantPolicy("hi", quota_blocks=64, priority=1)])
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     base = ok(admit(m, lo, 4, token=1))
     for _ in range(20):
         m.fork(lo, base, 64)  # 1,281 sequences sharing 4 blocks
@@ -495,12 +495,12 @@ def test_a_step_scans_for_victims_at_most_scans_per_step_times(
     """Refusals from requesters of distinct priorities are distinct questions (no memo hit):
     one Step pays at most ``SCANS_PER_STEP`` scans; the next Step gets a fresh budget."""
     scans = []
-    real = pre._scan
-    monkeypatch.setattr(pre, "_scan", lambda *a: scans.append(1) or real(*a))
+    real = pre.VictimChooser._scan
+    monkeypatch.setattr(pre.VictimChooser, "_scan", lambda *a: scans.append(1) or real(*a))
     m = make(num_blocks=16, tenants=[TenantPolicy("lo", quota_blocks=64, priority=0),
                                      TenantPolicy("hi", quota_blocks=64, priority=1)])
-    lo = m.open_session("lo").id
-    hi = m.open_session("hi").id
+    lo = m.open_session("lo")
+    hi = m.open_session("hi")
     base = ok(admit(m, lo, 4, token=1))
     m.fork(lo, base, 8)
     ok(admit(m, hi, 10, token=2, priority=1000))  # outranks every requester below

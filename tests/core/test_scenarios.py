@@ -13,7 +13,7 @@ SYSTEM = [11, 12, 13, 14, 15, 16, 17, 18]  # two full blocks of "system prompt"
 
 def test_prefix_hit_reuses_committed_blocks() -> None:
     m = manager(num_blocks=8)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     # Request 1: system prompt + 3 tokens -> blocks 0, 1 (full) and 2 (partial).
     r1 = m.admit(s, SCOPE, SYSTEM + [1, 2, 3])
     assert (r1.block_table, r1.num_cached_tokens) == ([0, 1, 2], 0)
@@ -27,14 +27,14 @@ def test_prefix_hit_reuses_committed_blocks() -> None:
     # Request 2 shares the system prompt: it gets blocks 0 and 1, refcount 2, and a new block.
     r2 = m.admit(s, SCOPE, SYSTEM + [4, 5])
     assert (r2.block_table, r2.num_cached_tokens) == ([0, 1, 3], 8)
-    assert (m.alloc.ref[0], m.alloc.ref[1], m.alloc.ref[3]) == (2, 2, 1)
+    assert (m.blocks.ref[0], m.blocks.ref[1], m.blocks.ref[3]) == (2, 2, 1)
     assert m.counters.hit_tokens == 8 and m.counters.queried_tokens == 21
     m.check_invariants()
 
 
 def test_a_full_hit_still_computes_the_last_token() -> None:
     m = manager(num_blocks=8)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     r1 = m.admit(s, SCOPE, SYSTEM)
     m.commit(s, r1.seq_id)
     # The same 8 tokens again: block 0 hits, block 1 is recomputed into a fresh block so the
@@ -46,7 +46,7 @@ def test_a_full_hit_still_computes_the_last_token() -> None:
 
 def test_partial_block_is_never_a_hit() -> None:
     m = manager(num_blocks=8)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     r1 = m.admit(s, SCOPE, SYSTEM + [1, 2])  # blocks 0, 1 full; block 2 holds 2 of 4 tokens
     m.commit(s, r1.seq_id)
     assert m.commit(s, r1.seq_id) == 0  # nothing new to commit; the partial block never is
@@ -62,7 +62,7 @@ def test_partial_block_is_never_a_hit() -> None:
 
 def test_eviction_order_is_lru_with_chain_tails_first() -> None:
     m = manager(num_blocks=6)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     # Two finished requests leave cached chains: A = blocks 0, 1 (then 2 partial, freed) and
     # B = blocks 3, 4 (then 5 partial, freed).
     a = m.admit(s, SCOPE, [1] * 8 + [0])
@@ -72,14 +72,14 @@ def test_eviction_order_is_lru_with_chain_tails_first() -> None:
         m.commit(s, r.seq_id)
         m.release(s, r.seq_id)
     # Released tails first: A's block 1 is older than block 0, then B's 4, then 3.
-    assert m.alloc.lru_order(0) == [1, 0, 4, 3]
+    assert m.blocks.lru_order(0) == [1, 0, 4, 3]
     assert m.state_counts()["cached"] == 4 and m.state_counts()["free"] == 2
     # A 12-token prompt needs 3 blocks: the two free ones (2 and 5) and one eviction: block 1,
     # the tail of the least recently used chain. Its parent, block 0, stays cached. (The evicted
     # block goes on top of the free stack, so it is handed out first.)
     c = m.admit(s, SCOPE, [3] * 12)
     assert c.block_table == [1, 5, 2]
-    assert m.alloc.lru_order(0) == [0, 4, 3]
+    assert m.blocks.lru_order(0) == [0, 4, 3]
     assert m.counters.evictions == 1
     # A's prefix still hits its first block.
     assert m.lookup(s, SCOPE, [1] * 8 + [0]) == 4
@@ -88,23 +88,23 @@ def test_eviction_order_is_lru_with_chain_tails_first() -> None:
     assert (d.block_table, d.num_cached_tokens) == ([0, 4], 4)
     # Released again, block 0 is the most recently used; block 4 (partial) is simply free.
     m.release(s, d.seq_id)
-    assert m.alloc.lru_order(0) == [3, 0]
+    assert m.blocks.lru_order(0) == [3, 0]
     assert m.counters.evictions == 2
     m.check_invariants()
 
 
 def test_copy_on_write_after_fork_then_append() -> None:
     m = manager(num_blocks=8)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     parent = m.admit(s, SCOPE, [5, 6, 7, 8, 9, 10])  # block 0 full, block 1 holds 2 tokens
     assert parent.block_table == [0, 1]
     c1, c2 = m.fork(s, parent.seq_id, 2)
-    assert [m.alloc.ref[b] for b in (0, 1)] == [3, 3]
+    assert [m.blocks.ref[b] for b in (0, 1)] == [3, 3]
     # The parent writes first: block 1 is shared, so it gets a copy in block 2.
     out = m.append(s, parent.seq_id, [11], fence=1)
     assert (out.start_index, out.block_ids, out.copy.src, out.copy.dst) == (1, [2], 1, 2)
     assert m.block_table(s, parent.seq_id) == ([0, 2], 7)
-    assert [m.alloc.ref[b] for b in (0, 1, 2)] == [3, 2, 1]
+    assert [m.blocks.ref[b] for b in (0, 1, 2)] == [3, 2, 1]
     # Child 1 still shares block 1 with child 2: another copy, into block 3.
     out = m.append(s, c1, [21, 22], fence=1)
     assert (out.copy.src, out.copy.dst) == (1, 3)
@@ -120,7 +120,7 @@ def test_copy_on_write_after_fork_then_append() -> None:
 
 def test_release_under_incomplete_fence_delays_reuse() -> None:
     m = manager(num_blocks=2)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     r1 = m.admit(s, SCOPE, [1, 2, 3, 4, 5])  # blocks 0 and 1: the whole pool
     assert r1.block_table == [0, 1]
     # The step with fence 7 still reads the blocks on the GPU when the sequence finishes.
@@ -142,12 +142,12 @@ def test_release_under_incomplete_fence_delays_reuse() -> None:
 def test_shared_block_waits_for_every_covering_fence() -> None:
     """A block released by two sessions is reused only after both fences complete."""
     m = manager(num_blocks=3)
-    s1 = m.open_session("acme").id
-    s2 = m.open_session("acme").id
+    s1 = m.open_session("acme")
+    s2 = m.open_session("acme")
     r1 = m.admit(s1, SCOPE, [1, 2, 3, 4, 5])
     m.commit(s1, r1.seq_id)
     r2 = m.admit(s2, SCOPE, [1, 2, 3, 4, 6])
-    assert r2.block_table[0] == 0 and m.alloc.ref[0] == 2
+    assert r2.block_table[0] == 0 and m.blocks.ref[0] == 2
     m.release(s1, r1.seq_id, fence=3)  # session 1's kernels may still read block 0
     m.release(s2, r2.seq_id, fence=5)
     m.complete_fence(s2, 5)
@@ -159,7 +159,7 @@ def test_shared_block_waits_for_every_covering_fence() -> None:
 
 def test_zero_fence_waits_for_the_sessions_earlier_fences() -> None:
     m = manager(num_blocks=2)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     r = m.admit(s, SCOPE, [1, 2, 3])
     m.append(s, r.seq_id, [4], fence=2)  # step 2's kernels read and write block 0
     m.release(s, r.seq_id, fence=0)  # a later step with no GPU work of its own
@@ -171,12 +171,12 @@ def test_zero_fence_waits_for_the_sessions_earlier_fences() -> None:
 
 def test_commit_of_a_dead_worker_is_never_indexed() -> None:
     m = manager(num_blocks=4)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     r = m.admit(s, SCOPE, [1, 2, 3, 4, 5])
     m.commit(s, r.seq_id, fence=1)
     # The worker dies before reporting fence 1: its K/V may be half written.
     m.close_session(s)
-    s2 = m.open_session("acme").id
+    s2 = m.open_session("acme")
     assert m.lookup(s2, SCOPE, [1, 2, 3, 4, 5]) == 0
     assert m.state_counts()["free"] == 4
     m.check_invariants()
@@ -187,7 +187,7 @@ def test_append_batch_matches_single_appends() -> None:
 
     def run(batched: bool):  # type: ignore[no-untyped-def]
         m = manager(num_blocks=9)
-        s = m.open_session("acme").id
+        s = m.open_session("acme")
         a = m.admit(s, SCOPE, [1, 2, 3])  # room in its last block
         b = m.admit(s, SCOPE, [4, 5, 6, 7])  # full last block: needs a new one
         (c,) = m.fork(s, a.seq_id)  # shares a's partial block: copy-on-write

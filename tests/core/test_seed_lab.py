@@ -12,7 +12,7 @@ from blockd.core import DoesNotFit
 
 def test_two_sequences_on_three_blocks_give_the_seeds_slots() -> None:
     m = manager(block_size=4, num_blocks=3)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     # Make the free stack hand out 2, then 0, then 1: occupy all three blocks and release them
     # in the order 1, 0, 2 (the stack is LIFO; caching is off so nothing stays cached).
     warm = [m.admit(s, SCOPE, [900 + i], cache=False) for i in range(3)]
@@ -26,7 +26,6 @@ def test_two_sequences_on_three_blocks_give_the_seeds_slots() -> None:
     assert b.block_table == [1]
     assert [p.slot for p in m.inspect(s, a.seq_id)] == [8, 9, 10, 11, 0, 1]
     assert [p.slot for p in m.inspect(s, b.seq_id)] == [4, 5, 6]
-    assert m.slot_mapping(a.seq_id, 0, 6) == [8, 9, 10, 11, 0, 1]
 
     # The lab's paged-vs-contiguous count: 5 blocks for lengths 6, 3, 5 (pool of 3 holds 2).
     assert [(p.logical_block, p.offset, p.physical_block) for p in m.inspect(s, a.seq_id)] == [
@@ -41,7 +40,7 @@ def test_revealing_variation_is_impossible_through_the_api() -> None:
     of being given block 1, and the tables stay disjoint.
     """
     m = manager(block_size=4, num_blocks=3)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     warm = [m.admit(s, SCOPE, [900 + i], cache=False) for i in range(3)]
     for i in (1, 0, 2):
         m.release(s, warm[i].seq_id)
@@ -67,7 +66,7 @@ def test_revealing_variation_is_impossible_through_the_api() -> None:
 def test_fork_never_gives_a_shared_block_to_a_writer() -> None:
     """A fork shares blocks; the first write into the shared partial block is copied."""
     m = manager(block_size=4, num_blocks=4)
-    s = m.open_session("acme").id
+    s = m.open_session("acme")
     a = m.admit(s, SCOPE, list(range(6)), cache=False)
     (child,) = m.fork(s, a.seq_id)
     assert m.block_table(s, child)[0] == a.block_table

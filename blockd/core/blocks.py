@@ -1,11 +1,11 @@
 """Per-block state: refcounts, lifecycle state, owner, the free stack and the cached-block LRUs.
 
-The allocator owns bytes of metadata, never policy: the BlockManager decides *whether* a tenant
-may allocate and *which* sequence holds a block; the allocator makes the chosen transition in
-O(1) per block and keeps the arrays consistent.
+This room owns bytes of metadata, never policy: admission decides *whether* a tenant may
+allocate, the manager *which* sequence holds a block; ``BlockArrays`` makes the chosen
+transition in O(1) per block and keeps the arrays consistent.
 
 Memory: every per-block field lives in a flat ``array``/``bytearray`` (no Python object per
-block), so the allocator costs ``BYTES_PER_BLOCK`` bytes per block whatever the pool size.
+block), so these arrays cost ``BYTES_PER_BLOCK`` bytes per block whatever the pool size.
 
 Lifecycle (design.md section 2)::
 
@@ -13,7 +13,7 @@ Lifecycle (design.md section 2)::
     PENDING ──last covering fence complete──▶ CACHED (indexed) or FREE (not indexed)
     CACHED ──hit──▶ COMMITTED        CACHED ──evict (LRU, chain tails first)──▶ FREE
 
-Invariants (checked by ``BlockManager.check_invariants``):
+Invariants (checked by ``blockd.core.invariants.check_invariants``):
 
 * ``state`` is exactly one of the five states; FREE blocks are exactly those on the free stack,
   CACHED blocks exactly those on an LRU list (both lists are threaded through ``next``);
@@ -42,24 +42,26 @@ BYTES_PER_BLOCK = 23
 _STAMP_MASK = 0xFFFFFFFF
 
 
-class BlockAllocator:
+class BlockArrays:
     """Flat per-block arrays plus the free stack and per-tenant LRU lists of CACHED blocks.
 
-    Field owners: ``ref`` and ``state`` are changed by the BlockManager (through this class's
-    methods or directly on the hot path); ``pend`` by the fence bookkeeping; everything else
-    only by this class.
+    Each field's comment says which room may write it; everything not named there is written
+    only by this class's methods.
     """
 
     def __init__(self, num_blocks: int, num_tenants: int = 1) -> None:
         n = num_blocks
         self.num_blocks = n
-        #: Number of block tables naming the block.
+        #: Number of block tables naming the block. Written by: manager (tables), caching (hits),
+        #: fences (drop_refs), this class (take).
         self.ref = array("i", bytes(4 * n))
-        #: Releases of the block whose fence has not completed yet.
+        #: Releases of the block whose fence has not completed yet. Written by: fences only.
         self.pend = array("i", bytes(4 * n))
-        #: Lifecycle state (FREE .. CACHED).
+        #: Lifecycle state (FREE .. CACHED). Written by: this class, manager (commit), caching
+        #: (hits), fences (PENDING).
         self.state = bytearray(n)
-        #: Tenant slot that allocated the block (kept after free, for scrub-on-reuse).
+        #: Tenant slot that allocated the block (kept after free, for scrub-on-reuse). Written by:
+        #: this class only.
         self.owner = array("H", [NO_OWNER]) * n
         # Intrusive doubly linked LRU lists (one per tenant) over CACHED blocks. A list moves
         # blocks by rewriting two ints; an OrderedDict would cost ~100 bytes per entry.

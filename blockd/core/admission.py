@@ -1,0 +1,105 @@
+"""Admission: whether new blocks fit for a tenant, and handing them out.
+
+``fits`` and ``allocate`` are a check-then-commit pair (nano-vllm's ``can_allocate`` /
+``allocate``): every caller asks ``fits`` first, changes nothing when it says no, and only then
+calls ``allocate``, which cannot fail.
+
+Three limits, checked in this order, each a bounded ``DoesNotFit.reason``:
+
+* ``pool``: free plus evictable (cached) blocks, less the cached blocks the request itself hits
+  (they leave the LRU);
+* ``quota``: the tenant's own blocks (live, pending and cached) after evicting its own cached
+  ones;
+* ``guarantee``: blocks other tenants are guaranteed and do not hold right now stay available
+  to them.
+
+Scrubbing: a block last owned by a tenant that asks for scrub-on-reuse (or any block, with
+``scrub_always``) is listed when it is handed to someone else; the runtime zeroes those blocks
+before the worker learns of them (``take_scrubbed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from blockd.core.blocks import CACHED, BlockArrays
+from blockd.core.caching import PrefixCache
+from blockd.core.results import Counters, DoesNotFit
+from blockd.core.tenants import TenantTable
+
+
+class Admission:
+    """The fit check and the allocation of new blocks. Owned by the manager."""
+
+    def __init__(self, blocks: BlockArrays, tenants: TenantTable, cache: PrefixCache,
+                 counters: Counters, scrub_always: bool = False) -> None:
+        self.blocks = blocks
+        self.tenants = tenants
+        self.cache = cache
+        self.counters = counters
+        self.scrub_always = scrub_always
+        #: Blocks handed out since the last ``take_scrubbed`` that must be zeroed first.
+        self._scrub: list[int] = []
+        self._scrub_owner = [p.scrub_on_reuse for p in tenants.policies]
+
+    def tenants_changed(self) -> None:
+        """The tenant table was reloaded: refresh what is derived from it."""
+        self._scrub_owner = [p.scrub_on_reuse for p in self.tenants.policies]
+
+    def fits(self, tenant: int, need: int, hits: Seq[int], extra: int = 0,
+             freed: Seq[int] | None = None) -> DoesNotFit | None:
+        """Whether ``need`` new blocks fit for ``tenant`` once ``hits`` are revived.
+
+        ``extra`` and ``freed`` ask a hypothetical question (preemption): ``extra`` more blocks
+        reusable, ``freed[slot]`` of them released by tenant ``slot`` (no longer live).
+        """
+        if need <= 0:
+            return None
+        blocks = self.blocks
+        state = blocks.state
+        owner = blocks.owner
+        # Cached blocks about to be hit leave the LRU: they are no longer evictable.
+        hit_cached = [b for b in hits if state[b] == CACHED]
+        own_hit_cached = sum(1 for b in hit_cached if owner[b] == tenant)
+        available = blocks.num_free + blocks.num_cached - len(hit_cached) + extra
+        if available < need:
+            return DoesNotFit("pool", need, available)
+        policy = self.tenants.policies[tenant]
+        over = blocks.usage[tenant] + need - policy.quota_blocks
+        # Blocks of its own that a preemption frees stop counting against the quota once
+        # their fences complete (they are then free, or cached and evictable).
+        own_evictable = blocks.cached[tenant] - own_hit_cached + (freed[tenant] if freed else 0)
+        if over > own_evictable:
+            return DoesNotFit("quota", need, policy.quota_blocks - blocks.usage[tenant]
+                              + own_evictable)
+        reserved = 0
+        for slot, p in enumerate(self.tenants.policies):
+            if slot != tenant and p.guaranteed_blocks:
+                live = blocks.usage[slot] - blocks.cached[slot] - (freed[slot] if freed else 0)
+                reserved += max(0, p.guaranteed_blocks - live)
+        if reserved and available - reserved < need:
+            return DoesNotFit("guarantee", need, max(0, available - reserved))
+        return None
+
+    def allocate(self, tenant: int, n: int) -> list[int]:
+        """Hand out ``n`` blocks (the caller checked ``fits``), evicting cached ones as needed."""
+        if n <= 0:
+            return []
+        blocks = self.blocks
+        over = blocks.usage[tenant] + n - self.tenants.policies[tenant].quota_blocks
+        if over > 0:
+            self.cache.evict(over, tenant)
+        short = n - blocks.num_free
+        if short > 0:
+            self.cache.evict(short, None)
+        scrub = self._scrub
+        before = len(scrub)
+        ids = blocks.take(n, tenant, self._scrub_owner, self.scrub_always, scrub)
+        self.counters.scrubbed_blocks += len(scrub) - before
+        self.counters.allocated_blocks += n
+        return ids
+
+    def take_scrubbed(self) -> list[int]:
+        """Blocks that must be zeroed before the worker uses them (drained by the runtime)."""
+        out, self._scrub = self._scrub, []
+        return out

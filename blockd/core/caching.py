@@ -1,0 +1,233 @@
+"""The prefix cache's side of the block lifecycle: commit batches, hits, idling, eviction, flushes.
+
+This room moves blocks between the prefix index and the LRU of cached blocks, and emits the
+typed events (``blockd.core.events``) for every change of the index:
+
+* ``commit_batch`` turns a sequence's newly full blocks into a :class:`CommitBatch`; the fence
+  ledger applies it (``apply_commit``) once its fence completes, or drops it (``drop_commit``).
+* ``touch`` takes a reference on prefix-hit blocks (cached ones leave the LRU).
+* ``idle`` makes unreferenced blocks with no pending fence CACHED (indexed) or FREE.
+* ``evict`` frees the least recently cached blocks, chain tails first.
+* ``flush`` drops every indexed block of some namespaces.
+
+NOTE: duplicates. Two sequences can compute the same prefix block concurrently; the second one
+to commit finds the key taken. Its block is not indexed, but later blocks of its prefix must
+chain to the indexed twin (``_dup``), or they could never be found by a lookup that walks the
+index from the root. A twin is trusted only after its tokens, parent and namespace are verified,
+so a colliding key never becomes a parent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from blockd.core.blocks import CACHED, COMMITTED, FREE, BlockArrays
+from blockd.core.errors import Internal
+from blockd.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
+from blockd.core.namespace import Namespace, NamespaceTable
+from blockd.core.prefix_index import NO_PARENT, PrefixIndex
+from blockd.core.results import Counters
+from blockd.core.sequence import Sequence
+
+
+@dataclass(slots=True)
+class CommitBatch:
+    """Full blocks of one sequence to index, in order, once their fence completes."""
+
+    #: The committing sequence's chain list (shared with the sequence while it lives).
+    chain: list[int]
+    #: Logical index of ``blocks[0]`` in the sequence.
+    start: int
+    blocks: list[int]
+    keys: list[bytes]
+    chunks: list[bytes]
+    ns_id: int
+
+
+
+def namespace_label(ns: Namespace) -> str:
+    """How events name a namespace: a prefix of its keyed root hash, never its fields."""
+    return "ns-" + ns.root_key[:8].hex()
+
+
+class PrefixCache:
+    """The index, the namespaces and the cached LRU, kept consistent. Owned by the manager."""
+
+    def __init__(self, blocks: BlockArrays, index: PrefixIndex, namespaces: NamespaceTable,
+                 counters: Counters, events: EventSink | None = None) -> None:
+        self.blocks = blocks
+        self.index = index
+        self.namespaces = namespaces
+        self.counters = counters
+        #: Where index changes are reported; not part of a snapshot (see ``__getstate__``).
+        self.events = events
+        #: Committed blocks whose content was already indexed in another block: block ->
+        #: (that block, its generation). Holds only such duplicates, and only while allocated.
+        self.dup: dict[int, tuple[int, int]] = {}
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        state["events"] = None  # a callback into the runtime; ``snapshot.load`` sets it again
+        return state
+
+    # -- commits ------------------------------------------------------------------------------
+
+    def commit_batch(self, seq: Sequence, start: int, blocks: list[int]) -> CommitBatch:
+        """The batch that indexes ``blocks`` (the sequence's blocks ``start..``) later.
+
+        Consumes the sequence's tokens and keys of those blocks. The batch holds a namespace
+        reference until it is applied or dropped.
+        """
+        count = len(blocks)
+        index = self.index
+        if seq.stream is None:
+            raise Internal("a commit batch needs the sequence's key stream")
+        if len(seq.keys) < count:
+            index.extend_keys(seq.stream, seq.tokens, len(seq.keys), count, seq.keys)
+        step = index.chunk_bytes
+        tokens = seq.tokens
+        chunks = [bytes(tokens[i * step:(i + 1) * step]) for i in range(count)]
+        seq.chain.extend(blocks)
+        batch = CommitBatch(seq.chain, start, blocks, seq.keys[:count], chunks, seq.ns.id)
+        del seq.keys[:count]
+        del tokens[:count * step]
+        self.namespaces.incref(seq.ns)
+        return batch
+
+    def apply_commit(self, batch: CommitBatch) -> None:
+        """Index a committed batch whose K/V is now written."""
+        index = self.index
+        chain = batch.chain
+        ns = self.namespaces.get(batch.ns_id)
+        state = self.blocks.state
+        emit = self.events
+        dup = self.dup
+        for j, b in enumerate(batch.blocks):
+            i = batch.start + j
+            parent = chain[i - 1] if i > 0 else NO_PARENT
+            if parent in dup:
+                # The parent turned out to duplicate an indexed block (possibly found through a
+                # fork sibling's chain): chain to that one while it is the same incarnation.
+                canon, gen = dup[parent]
+                if index.key[canon] is not None and index.gen[canon] == gen:
+                    parent = canon
+            if state[b] == FREE or index.key[b] is not None:
+                continue  # flushed meanwhile, or already indexed through a sibling
+            key = batch.keys[j]
+            chunk = batch.chunks[j]
+            if index.insert(b, key, chunk, parent, batch.ns_id):
+                # Indexed itself now (its twin may have been flushed): no longer a duplicate.
+                dup.pop(b, None)
+                self.namespaces.incref(ns)
+                if emit is not None:
+                    emit(self._stored(b))
+                continue
+            # Key taken: an identical block was indexed first. Chain later blocks to it, but
+            # only after verifying it, so a colliding key can never become our parent.
+            other = index.map[key]
+            if (index.tokens[other] == chunk and index.is_child(other, parent)
+                    and index.ns[other] == batch.ns_id):
+                chain[i] = other
+                dup[b] = (other, index.gen[other])
+        self.namespaces.decref(ns)
+
+    def drop_commit(self, batch: CommitBatch) -> None:
+        """A batch that will never be applied (its K/V may be half written)."""
+        self.namespaces.decref(self.namespaces.get(batch.ns_id))
+
+    # -- references and idling ----------------------------------------------------------------
+
+    def touch(self, hits: Seq[int]) -> None:
+        """Take a reference on each hit block; cached ones leave the LRU."""
+        blocks = self.blocks
+        ref = blocks.ref
+        state = blocks.state
+        for b in hits:
+            if state[b] == CACHED:
+                blocks.uncache(b)
+            ref[b] += 1
+            state[b] = COMMITTED
+
+    def idle(self, idle: Iterable[int]) -> None:
+        """Unreferenced blocks with no pending fence: CACHED if indexed, else FREE."""
+        blocks = self.blocks
+        key = self.index.key
+        dup = self.dup
+        for b in idle:
+            if key[b] is not None:
+                blocks.cache(b)
+            else:
+                if dup:
+                    dup.pop(b, None)
+                blocks.give_back(b)
+
+    def evict(self, n: int, tenant: int | None) -> None:
+        """Free ``n`` cached blocks, least recently used first (of ``tenant``, or of anyone)."""
+        blocks = self.blocks
+        for _ in range(n):
+            b = blocks.oldest_cached(tenant)
+            if b < 0:
+                raise Internal("eviction found no cached block although the fit check passed")
+            blocks.uncache(b)
+            self.unindex(b)
+            blocks.give_back(b)
+            self.counters.evictions += 1
+
+    def unindex(self, block: int) -> None:
+        key = self.index.key[block]
+        ns_id = self.index.remove(block)
+        self.namespaces.decref(self.namespaces.get(ns_id))
+        if self.events is not None and key is not None:
+            self.events(BlockRemoved(block, key))
+
+    # -- flushes and queries ------------------------------------------------------------------
+
+    def flush(self, namespace_ids: set[int], owner_slot: int | None) -> int:
+        """Drop every indexed block of ``namespace_ids`` (allocated by ``owner_slot``, if given).
+
+        Cached blocks become FREE; blocks still referenced (or pending) stay with their
+        sequences but are never hit again. Returns how many blocks left the index.
+        """
+        owner = self.blocks.owner
+        ns_arr = self.index.ns
+        victims = [
+            b for b in self.index.map.values()
+            if ns_arr[b] in namespace_ids and (owner_slot is None or owner[b] == owner_slot)
+        ]
+        blocks = self.blocks
+        for b in victims:
+            if blocks.state[b] == CACHED:
+                blocks.uncache(b)
+                self.unindex(b)
+                blocks.give_back(b)
+            else:
+                self.unindex(b)
+        if victims and self.events is not None and len(self.index) == 0:
+            self.events(AllBlocksCleared())
+        return len(victims)
+
+    def indexed_events(self) -> list[BlockStored]:
+        """A ``BlockStored`` for every indexed block, each after its parent."""
+        index = self.index
+        out: list[BlockStored] = []
+        seen: set[int] = set()
+        for b in index.map.values():
+            chain = []
+            while b >= 0 and b not in seen and index.key[b] is not None:
+                chain.append(b)
+                seen.add(b)
+                b = index.parent[b]
+            out.extend(self._stored(c) for c in reversed(chain))
+        return out
+
+    def _stored(self, b: int) -> BlockStored:
+        index = self.index
+        ns = self.namespaces.get(index.ns[b])
+        parent = index.parent[b]
+        parent_key = index.key[parent] if parent >= 0 else None
+        tokens = index.tokens[b]
+        return BlockStored(b, index.key[b] or b"", parent_key or b"", tokens or b"",
+                           namespace_label(ns), ns.fields.lora_id or "",
+                           ns.fields.sharing_domain)

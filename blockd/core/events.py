@@ -1,0 +1,51 @@
+"""Typed block events: what the core tells the outside world about its prefix index.
+
+The core emits one record per change of the index, synchronously, to the ``EventSink`` it was
+given (vLLM's ``BlockPool`` queues typed events the same way). The runtime's event log numbers
+them and converts them for gRPC WatchEvents and the ZMQ KV-event publisher; the records carry
+everything those need (the parent's key, the namespace's label), so nobody above the core keeps
+a second copy of the index. What a subscriber may *see* of them (token ids of private tenants,
+tenant labels) is decided by the runtime, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A full, committed block entered the prefix index."""
+
+    block: int
+    #: The block's 16-byte prefix key.
+    key: bytes
+    #: The key of the block it chains to; b"" for the first block of a prefix.
+    parent_key: bytes
+    #: Its token ids, uint32 little-endian.
+    token_bytes: bytes
+    #: ``"ns-"`` + the first 8 bytes of the namespace's keyed root hash, in hex: names a
+    #: namespace without revealing any of its fields.
+    namespace_label: str
+    lora_id: str
+    #: ``private:<tenant>``, ``group:<name>`` or ``public`` (see ``blockd.core.tenants``).
+    sharing_domain: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """A block left the prefix index (evicted or flushed)."""
+
+    block: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The prefix index is empty (a flush emptied it)."""
+
+
+CoreEvent = BlockStored | BlockRemoved | AllBlocksCleared
+#: Receives each event as it happens, on the caller's thread. Must not call back into the core.
+EventSink = Callable[[CoreEvent], None]

@@ -1,0 +1,146 @@
+"""The core's query API: read-only views of its state as result records (``blockd.core.results``).
+
+``CoreQueries`` is the read half of the ``BlockManager`` facade (the manager inherits it): the
+records callers above the core see are built here, in one place, so that the runtime, the
+server and the apps never read the rooms' arrays. Nothing here changes any state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from blockd.core.blocks import STATE_NAMES, BlockArrays
+from blockd.core.events import BlockStored
+from blockd.core.fences import Session
+from blockd.core.invariants import check_invariants
+from blockd.core.results import BlockInfo, Counters, PositionInfo, SessionView, TenantUsage
+from blockd.core.sequence import Sequence
+from blockd.core.tenants import TenantPolicy, TenantTable
+
+if TYPE_CHECKING:
+    from blockd.core.caching import PrefixCache
+    from blockd.core.prefix_index import PrefixIndex
+
+
+def positions(seq: Sequence, block_size: int, start: int, count: int | None
+              ) -> list[PositionInfo]:
+    """Every position's logical block, offset, physical block and slot, from ``start``.
+
+    ``slot = block_table[p // B] * B + p % B``: the formula the kernels use.
+    """
+    B = block_size
+    end = seq.num_tokens if count is None else min(seq.num_tokens, start + count)
+    out = []
+    for p in range(max(0, start), end):
+        lb, off = divmod(p, B)
+        pb = seq.table[lb]
+        out.append(PositionInfo(p, lb, off, pb, pb * B + off))
+    return out
+
+
+def block_info(blocks: BlockArrays, ids: Iterable[int]) -> list[BlockInfo]:
+    state = blocks.state
+    ref = blocks.ref
+    return [BlockInfo(b, STATE_NAMES[state[b]], ref[b]) for b in ids]
+
+
+def tenant_usage(tenants: TenantTable, blocks: BlockArrays, counters: Counters
+                 ) -> list[TenantUsage]:
+    """The one loop over active tenants (Stats, metrics and tools all read this)."""
+    out = []
+    for slot, policy in enumerate(tenants.policies):
+        if tenants.active[slot]:
+            out.append(TenantUsage(
+                tenant_id=policy.tenant_id, used_blocks=blocks.usage[slot],
+                cached_blocks=blocks.cached[slot], quota_blocks=policy.quota_blocks,
+                guaranteed_blocks=policy.guaranteed_blocks, priority=policy.priority,
+                preemptions=counters.preemptions.get(policy.tenant_id, 0)))
+    return out
+
+
+def session_view(session: Session, tenant_id: str) -> SessionView:
+    waiting = session.waiting
+    return SessionView(
+        session_id=session.id, tenant_id=tenant_id, issued_fence=session.issued,
+        completed_fence=session.completed, num_sequences=session.num_sequences,
+        num_unreported_preemptions=len(session.preempted),
+        oldest_waiting_fence=waiting[0][0] if waiting else None)
+
+
+class CoreQueries:
+    """The read API of the ``BlockManager`` (which sets these attributes; see manager.py)."""
+
+    block_size: int
+    blocks: BlockArrays
+    tenants: TenantTable
+    counters: Counters
+    cache: PrefixCache
+    index: PrefixIndex
+    sessions: dict[str, Session]
+    sequences: dict[str, Sequence]
+
+    def _session(self, session_id: str) -> Session:
+        raise NotImplementedError  # the manager's
+
+    def block_info(self, blocks: Iterable[int]) -> list[BlockInfo]:
+        """State and reference count of each block, in order."""
+        return block_info(self.blocks, blocks)
+
+    def block_state(self, block: int) -> str:
+        return STATE_NAMES[self.blocks.state[block]]
+
+    def state_counts(self) -> dict[str, int]:
+        counts = self.blocks.count_states()
+        return {name: counts[i] for i, name in enumerate(STATE_NAMES)}
+
+    def tenant_usage(self) -> list[TenantUsage]:
+        """Every active tenant's policy figures and current holdings, in slot order."""
+        return tenant_usage(self.tenants, self.blocks, self.counters)
+
+    def has_tenant(self, tenant_id: str) -> bool:
+        return tenant_id in self.tenants
+
+    def tenant_policy(self, tenant_id: str) -> TenantPolicy:
+        """The policy of an active tenant (NOT_FOUND on ``tenant_id`` otherwise)."""
+        return self.tenants.policies[self.tenants.slot(tenant_id)]
+
+    def tenant_policies(self) -> dict[str, TenantPolicy]:
+        """The active tenants' policies by id."""
+        t = self.tenants
+        return {p.tenant_id: p for p, on in zip(t.policies, t.active, strict=True) if on}
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self.sessions
+
+    def session_view(self, session_id: str) -> SessionView:
+        session = self._session(session_id)
+        return session_view(session, self.tenants.policies[session.tenant].tenant_id)
+
+    def sequence_session(self, seq_id: str) -> str | None:
+        """The session holding a live sequence (an operator's lookup), or None."""
+        seq = self.sequences.get(seq_id)
+        return seq.session if seq is not None else None
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def num_indexed(self) -> int:
+        """Blocks in the prefix index."""
+        return len(self.index)
+
+    def tail_waste_tokens(self) -> int:
+        """Unused token slots in the last blocks of live sequences."""
+        B = self.block_size
+        return sum(len(s.table) * B - s.num_tokens for s in self.sequences.values())
+
+    def indexed_events(self) -> list[BlockStored]:
+        """A ``BlockStored`` for every indexed block, parents first (a subscriber's resync)."""
+        return self.cache.indexed_events()
+
+    def check_invariants(self) -> None:
+        """Raise ``Internal`` on any violated invariant (``blockd.core.invariants``)."""
+        check_invariants(self)  # type: ignore[arg-type]
+
