@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from blockd.core.blocks import PENDING, BlockArrays
 from blockd.core.caching import CommitBatch, PrefixCache
-from blockd.core.errors import InvalidArgument
+from blockd.core.errors import Aborted, BlockdError, InvalidArgument, NotFound
 
 RELEASE = 0
 COMMIT = 1
@@ -60,6 +60,23 @@ class Session:
 
     def is_complete(self, fence: int) -> bool:
         return fence <= self.completed
+
+    def unknown_sequence(self, seq_id: str) -> BlockdError:
+        """The error for a sequence id this session does not hold (any more)."""
+        if seq_id in self.preempted_ids:
+            return Aborted("the sequence was preempted by a higher-priority request and must "
+                           "be re-admitted", field="sequence_id")
+        return NotFound("unknown sequence", field="sequence_id")
+
+    def note_preempted(self, seq_id: str, remember: int) -> None:
+        """A sequence of this session was preempted: tell the worker in its next answer, and
+        remember the id (at most ``remember``, oldest forgotten first) so that a later
+        operation naming it is ABORTED."""
+        self.preempted.append(seq_id)
+        ids = self.preempted_ids
+        ids[seq_id] = None
+        if len(ids) > remember:
+            del ids[next(iter(ids))]
 
 
 #: Completing "every fence" (a session that ends): above any fence a worker can name.

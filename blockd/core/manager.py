@@ -1,6 +1,6 @@
 """The BlockManager: the facade over the core's rooms, and the operations of the Step protocol.
 
-It composes the rooms below it and is the only thing callers above the core talk to:
+It composes the rooms below it and is all that callers above the core talk to:
 
 * ``blocks`` (``BlockArrays``): per-block refcount, state, owner, free stack, LRUs;
 * ``index`` / ``namespaces``: which full blocks hold which prefix, under which namespace;
@@ -29,39 +29,25 @@ from collections.abc import Sequence as Seq
 from blockd.core.admission import Admission
 from blockd.core.blocks import COMMITTED, WRITING, BlockArrays
 from blockd.core.caching import PrefixCache
-from blockd.core.errors import (
-    Aborted,
-    BlockdError,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-)
+from blockd.core.errors import InvalidArgument, NotFound, PermissionDenied
 from blockd.core.events import EventSink
 from blockd.core.fences import FenceLedger, Session
 from blockd.core.ids import SequenceIds
 from blockd.core.namespace import Namespace, NamespaceTable, PrefixScope
 from blockd.core.preemption import MAX_REMEMBERED, Priority, VictimChooser
 from blockd.core.prefix_index import HashFactory, PrefixIndex
-from blockd.core.queries import CoreQueries, positions
+from blockd.core.queries import CoreQueries
 from blockd.core.results import (
     AdmitResult,
     AppendResult,
     BatchAppend,
-    BlockInfo,
     CopyOp,
     Counters,
     DoesNotFit,
-    PositionInfo,
-    SessionView,
-    TenantUsage,
 )
 from blockd.core.sequence import Sequence, as_token_bytes
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import TenantPolicy, TenantTable
-
-__all__ = ["MAX_FORK", "AdmitResult", "AppendResult", "BatchAppend", "BlockInfo",
-           "BlockManager", "CopyOp", "Counters", "DoesNotFit", "PositionInfo", "SessionView",
-           "TenantUsage"]
 
 #: Most children one fork may create.
 MAX_FORK = 64
@@ -321,7 +307,7 @@ class BlockManager(CoreQueries):
                       fence: int, out: BatchAppend, seq_id: str = "") -> None:
         """One entry of ``append_batch`` through the general path."""
         if seq is None:
-            out.errors.append((i, self._missing(session, seq_id)))
+            out.errors.append((i, session.unknown_sequence(seq_id)))
             return
         if seq.session != session.id:
             out.errors.append((i, PermissionDenied("the sequence belongs to another session",
@@ -429,37 +415,6 @@ class BlockManager(CoreQueries):
             self.fences.commit(session, fence, self.cache.commit_batch(seq, start, blocks))
         return len(blocks)
 
-    # -- reads --------------------------------------------------------------------------------
-
-    def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
-        """Tokens of a prompt whose K/V is cached and visible to this session's tenant.
-
-        Allocates nothing and does not touch the LRU. Capped like ``admit``: a multiple of the
-        block size, less than the prompt length.
-        """
-        session = self._session(session_id)
-        raw = as_token_bytes(tokens, "token_ids")
-        length = len(raw) // 4
-        if length == 0 or not self.enable_prefix_cache:
-            return 0
-        ns = self._namespace(scope, session.tenant)
-        try:
-            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // self.block_size)
-            return len(hits) * self.block_size
-        finally:
-            self.namespaces.release_if_unused(ns)
-
-    def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]:
-        """(block ids, number of tokens) of a sequence of this session."""
-        seq = self._sequence(self._session(session_id), seq_id)
-        return seq.table.tolist(), seq.num_tokens
-
-    def inspect(self, session_id: str, seq_id: str, start: int = 0,
-                count: int | None = None) -> list[PositionInfo]:
-        """Every position's logical block, offset, physical block and slot (seeds' step 1)."""
-        seq = self._sequence(self._session(session_id), seq_id)
-        return positions(seq, self.block_size, start, count)
-
     # -- flushes, scrubbing, preemption notices -----------------------------------------------
 
     def flush(self, *, model_id: str | None = None, model_revision: str | None = None,
@@ -472,14 +427,8 @@ class BlockManager(CoreQueries):
         if model_id is None and model_revision is None and lora_id is None and tenant_id is None:
             raise InvalidArgument("a flush needs at least one filter", field="filter")
         owner_slot = self.tenants.slot(tenant_id) if tenant_id is not None else None
-        wanted = {
-            ns.id
-            for ns in self.namespaces
-            if (model_id is None or ns.fields.model_id == model_id)
-            and (model_revision is None or ns.fields.model_revision == model_revision)
-            and (lora_id is None or ns.fields.lora_id == lora_id)
-        }
-        return self.cache.flush(wanted, owner_slot)
+        return self.cache.flush(self.namespaces.matching(model_id, model_revision, lora_id),
+                                owner_slot)
 
     def take_scrubbed(self) -> list[int]:
         """Blocks that must be zeroed before the worker uses them (drained by the runtime)."""
@@ -511,11 +460,7 @@ class BlockManager(CoreQueries):
             # that worker's next StepResponse.
             session = self.sessions[seq.session]
             self._release(session, seq, session.issued)
-            session.preempted.append(seq.id)
-            ids = session.preempted_ids
-            ids[seq.id] = None
-            if len(ids) > MAX_REMEMBERED:
-                del ids[next(iter(ids))]
+            session.note_preempted(seq.id, MAX_REMEMBERED)
             self.counters.preemptions[policies[seq.tenant].tenant_id] += 1
         after = fits(tenant, need, hits)
         if after is None:
@@ -544,16 +489,8 @@ class BlockManager(CoreQueries):
     def _sequence(self, session: Session, seq_id: str) -> Sequence:
         seq = self.sequences.get(seq_id)
         if seq is None:
-            raise self._missing(session, seq_id)
+            raise session.unknown_sequence(seq_id)
         if seq.session != session.id:
             raise PermissionDenied("the sequence belongs to another session",
                                    field="sequence_id")
         return seq
-
-    @staticmethod
-    def _missing(session: Session, seq_id: str) -> BlockdError:
-        """The error for a sequence id this session does not hold (any more)."""
-        if seq_id in session.preempted_ids:
-            return Aborted("the sequence was preempted by a higher-priority request and must "
-                           "be re-admitted", field="sequence_id")
-        return NotFound("unknown sequence", field="sequence_id")

@@ -8,14 +8,16 @@ server and the apps never read the rooms' arrays. Nothing here changes any state
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from blockd.core.blocks import STATE_NAMES, BlockArrays
 from blockd.core.events import BlockStored
 from blockd.core.fences import Session
 from blockd.core.invariants import check_invariants
+from blockd.core.namespace import Namespace, NamespaceTable, PrefixScope
 from blockd.core.results import BlockInfo, Counters, PositionInfo, SessionView, TenantUsage
-from blockd.core.sequence import Sequence
+from blockd.core.sequence import Sequence, as_token_bytes
 from blockd.core.tenants import TenantPolicy, TenantTable
 
 if TYPE_CHECKING:
@@ -80,8 +82,48 @@ class CoreQueries:
     sessions: dict[str, Session]
     sequences: dict[str, Sequence]
 
+    enable_prefix_cache: bool
+    namespaces: NamespaceTable
+
+    # The manager's lookups of the caller's ids (they raise the errors naming the field).
     def _session(self, session_id: str) -> Session:
-        raise NotImplementedError  # the manager's
+        raise NotImplementedError
+
+    def _sequence(self, session: Session, seq_id: str) -> Sequence:
+        raise NotImplementedError
+
+    def _namespace(self, scope: PrefixScope, tenant: int) -> Namespace:
+        raise NotImplementedError
+
+    def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
+        """Tokens of a prompt whose K/V is cached and visible to this session's tenant.
+
+        Allocates nothing and does not touch the LRU. Capped like ``admit``: a multiple of the
+        block size, less than the prompt length.
+        """
+        session = self._session(session_id)
+        raw = as_token_bytes(tokens, "token_ids")
+        length = len(raw) // 4
+        if length == 0 or not self.enable_prefix_cache:
+            return 0
+        ns = self._namespace(scope, session.tenant)
+        try:
+            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // self.block_size)
+            return len(hits) * self.block_size
+        finally:
+            self.namespaces.release_if_unused(ns)
+
+    def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]:
+        """(block ids, number of tokens) of a sequence of this session."""
+        seq = self._sequence(self._session(session_id), seq_id)
+        return seq.table.tolist(), seq.num_tokens
+
+    def inspect(self, session_id: str, seq_id: str, start: int = 0,
+                count: int | None = None) -> list[PositionInfo]:
+        """Every position's logical block, offset, physical block and slot (seeds' step 1)."""
+        seq = self._sequence(self._session(session_id), seq_id)
+        return positions(seq, self.block_size, start, count)
+
 
     def block_info(self, blocks: Iterable[int]) -> list[BlockInfo]:
         """State and reference count of each block, in order."""
