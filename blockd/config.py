@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from blockd import wire
 from blockd.core.errors import InvalidArgument
+from blockd.core.spec import PoolSpec
 
 ENV_PREFIX = "BLOCKD_"
 
@@ -66,11 +68,15 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """The KV pool: its memory and its layout (what workers' kernels must match)."""
+    """The KV pool: its memory and its layout (what workers' kernels must match).
+
+    The layout fields follow ``blockd.wire``'s rules, the ones ``PoolSpec`` and the workers'
+    ``KvLayout`` apply: a config no worker could attach to is refused at load.
+    """
 
     #: "host" (POSIX shared memory) or "cuda" (CUDA VMM through cuda-python).
     backend: str = "host"
-    #: Tokens per block.
+    #: Tokens per block: a power of two in 1..256.
     block_size: int = 16
     #: Physical blocks (the default is 64 MiB with the layout below).
     num_blocks: int = 1024
@@ -78,13 +84,32 @@ class PoolConfig:
     #: KV heads per tensor-parallel shard.
     num_kv_heads: int = 4
     head_dim: int = 64
-    #: float32, float16, bfloat16 or float8_e4m3.
+    #: float32, float16 or bfloat16 (float8_e4m3 is refused: the kernels have no FP8 path).
     dtype: str = "float16"
     tp_size: int = 1
     #: Touch every page at creation, so the first steps do not pay for page faults.
     prefault: bool = False
     #: How often the daemon reads the sessions' fence pages, milliseconds.
     fence_poll_ms: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in wire.BACKENDS:
+            raise InvalidArgument(f"pool.backend: {self.backend!r} is unknown; use one of "
+                                  f"{', '.join(map(repr, wire.BACKENDS))}", field="pool.backend")
+        if not self.fence_poll_ms > 0:
+            raise InvalidArgument(f"pool.fence_poll_ms: must be positive, got "
+                                  f"{self.fence_poll_ms}", field="pool.fence_poll_ms")
+        try:
+            spec = self.spec()
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"pool.{exc.message}", field=f"pool.{exc.field}") from None
+        object.__setattr__(self, "dtype", spec.dtype)  # "bf16" is stored as "bfloat16"
+
+    def spec(self) -> PoolSpec:
+        """The pool's shape as the core and the pools take it."""
+        return PoolSpec(block_size=self.block_size, num_blocks=self.num_blocks,
+                        num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, dtype=self.dtype, tp_size=self.tp_size)
 
 
 @dataclass(frozen=True)

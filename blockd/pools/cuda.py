@@ -34,16 +34,17 @@ import ctypes
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from blockd import cudadrv, wire
 from blockd.core.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
-from blockd.core.spec import DTYPE_BYTES, PoolSpec
+from blockd.core.spec import PoolSpec
+from blockd.pools.base import Planes, header_for
 
 log = logging.getLogger("blockd.pools.cuda")
 
 FIELD = "pool.backend"
-_NO_DEVICE_HINT = "is a GPU visible to this container?"
 
 
 class CudaError(Internal):
@@ -58,44 +59,17 @@ class CudaError(Internal):
 
 def _driver() -> Any:
     """The cuda-python driver module (imported lazily; tests replace this function)."""
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _result_name(drv: Any, err: Any) -> str:
-    # The enum's own name needs no driver library, unlike cuGetErrorName (which would fail in
-    # exactly the situations we are reporting).
-    try:
-        return str(drv.CUresult(int(err)).name)
-    except (ValueError, TypeError):
-        return f"CUresult({err!r})"
+    return cudadrv.driver()
 
 
 def check(drv: Any, result: Any, call: str) -> Any:
-    """Unpack a cuda-python return tuple ``(CUresult, *values)``; raise CudaError on failure.
-
-    Returns None for calls that return only the CUresult, the value for one, a tuple for more.
-    """
-    if isinstance(result, tuple):
-        err, values = result[0], result[1:]
-    else:  # never seen in cuda-python 13; tolerated so a bare CUresult is still checked
-        err, values = result, ()
-    if int(err) != 0:  # CUDA_SUCCESS
-        raise CudaError(call, _result_name(drv, err))
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
+    """``cudadrv.check`` raising this module's CudaError (an Internal the server can map)."""
+    return cudadrv.check(drv, result, call, CudaError)
 
 
 def _log_failure(drv: Any, result: Any, call: str) -> bool:
     """For teardown: log a failed call instead of raising; True when it succeeded."""
-    try:
-        check(drv, result, call)
-    except CudaError as exc:
-        log.warning("cuda pool teardown: %s", exc.message)
-        return False
-    return True
+    return cudadrv.logged(drv, result, call, log, "cuda pool teardown")
 
 
 def _device_problem(drv: Any, ordinal: int) -> str | None:
@@ -120,21 +94,15 @@ def cuda_unavailable_reason(devices: Sequence[int] | None = None) -> str | None:
     Never raises for a missing package, driver or device: the answer is the message.
     """
     prefix = "cuda pool unavailable: "
+    drv, problem = cudadrv.import_problem(_driver)
+    if problem is None:
+        problem = cudadrv.init_problem(drv)
+    if problem is not None:
+        return prefix + problem
     try:
-        drv = _driver()
-    except ImportError as exc:
-        return f"{prefix}cuda-python is not installed ({exc}); install the 'gpu' extra"
-    except (RuntimeError, OSError) as exc:  # installed but broken (e.g. a version check)
-        return f"{prefix}cuda-python could not be imported: {exc}"
-    try:
-        # cuda-python raises (a RuntimeError subclass) when libcuda cannot be loaded at all,
-        # and returns an error code when the driver loads but finds no usable device.
-        err = drv.cuInit(0)[0]
-        if int(err) != 0:
-            return f"{prefix}cuInit failed: {_result_name(drv, err)} ({_NO_DEVICE_HINT})"
         count = check(drv, drv.cuDeviceGetCount(), "cuDeviceGetCount")
         if count < 1:
-            return f"{prefix}no CUDA device is visible ({_NO_DEVICE_HINT})"
+            return f"{prefix}no CUDA device is visible (is a GPU visible to this container?)"
         wanted = [0] if devices is None else list(devices)
         missing = [d for d in wanted if not 0 <= d < count]
         if missing:
@@ -147,8 +115,7 @@ def cuda_unavailable_reason(devices: Sequence[int] | None = None) -> str | None:
     except CudaError as exc:
         return prefix + exc.message
     except (RuntimeError, OSError) as exc:
-        return (f"{prefix}the CUDA driver library could not be loaded: {exc} "
-                f"({_NO_DEVICE_HINT})")
+        return f"{prefix}the CUDA driver failed: {exc}"
     return None
 
 
@@ -175,8 +142,12 @@ class _Shard:
 
 class CudaPool:
     """A KV pool in device memory, one VMM allocation per shard. Owned by the daemon; workers
-    import the exported fds (``clients/blockd_client/cuda_view.py``)."""
+    import the exported fds (``clients/blockd_client/cuda_view.py``). A
+    ``blockd.pools.base.Pool``."""
 
+    medium = "GPU"
+    #: The backend's name in the config and the handle header. The daemon's comparisons with it
+    #: are to become ``medium`` comparisons (then only ``handle`` reads it).
     backend = "cuda"
 
     def __init__(self, spec: PoolSpec, prefault: bool = False,
@@ -191,12 +162,11 @@ class CudaPool:
         reason = cuda_unavailable_reason(devs)
         if reason is not None:
             raise FailedPrecondition(reason, field=FIELD)
-        #: Bytes of one block's run within one (layer, K/V) plane of one shard.
-        self.run_bytes = (spec.block_size * spec.num_kv_heads * spec.head_dim
-                          * DTYPE_BYTES[spec.dtype])
-        self.plane_bytes = self.run_bytes * spec.num_blocks
-        #: Planes per shard (each shard is its own allocation, unlike the host pool).
-        self.num_planes = 2 * spec.num_layers
+        #: The planes of one shard (each shard is its own allocation, unlike the host pool).
+        self.planes = Planes.of(spec)
+        self.run_bytes = self.planes.run_bytes
+        self.plane_bytes = self.planes.plane_bytes
+        self.num_planes = self.planes.num_planes
         self._drv = _driver()
         self._shards: list[_Shard] = []
         self._closed = False
@@ -207,7 +177,7 @@ class CudaPool:
         try:
             self.granularity = self._granularity()
             #: Bytes of each shard's allocation (what a worker maps).
-            self.size = _round_up(self.plane_bytes * self.num_planes, self.granularity)
+            self.size = _round_up(self.planes.region_bytes, self.granularity)
             for dev in devs:
                 shard = _Shard(dev)
                 self._shards.append(shard)
@@ -329,72 +299,49 @@ class CudaPool:
 
     def block_runs(self, block: int) -> list[tuple[int, int]]:
         """(offset, length) of each contiguous run of ``block``'s bytes within one shard."""
-        return [(p * self.plane_bytes + block * self.run_bytes, self.run_bytes)
-                for p in range(self.num_planes)]
-
-    def _spans(self, blocks: Iterable[int]) -> list[tuple[int, int]]:
-        """``blocks`` as (first, count) spans of consecutive ids, so adjacent blocks are one
-        memset per plane instead of one each."""
-        ids = sorted(set(blocks))
-        n = self.spec.num_blocks
-        if ids and (ids[0] < 0 or ids[-1] >= n):
-            bad = [b for b in ids if not 0 <= b < n]
-            raise IndexError(f"block ids {bad[:8]} out of range 0..{n - 1}")
-        spans: list[tuple[int, int]] = []
-        for b in ids:
-            if spans and spans[-1][0] + spans[-1][1] == b:
-                spans[-1] = (spans[-1][0], spans[-1][1] + 1)
-            else:
-                spans.append((b, 1))
-        return spans
+        return self.planes.block_runs(block)
 
     def zero_blocks(self, blocks: Iterable[int]) -> None:
         """Scrub: zero every byte of each block on every shard; returns once the zeros are on
         the devices (each device's own stream synchronised, never the whole device)."""
         self._check_open()
-        spans = self._spans(blocks)
-        if not spans:
+        runs = list(self.planes.zero_runs(blocks))  # adjacent blocks: one memset per plane
+        if not runs:
             return
-        drv = self._drv
-        run, plane = self.run_bytes, self.plane_bytes
         # Enqueue on every device first, then wait: the shards are scrubbed in parallel.
-        for shard in self._shards:
-            with self._current(shard):
-                for first, count in spans:
-                    base = shard.ptr + first * run
-                    for p in range(self.num_planes):
-                        check(drv, drv.cuMemsetD8Async(base + p * plane, 0, count * run,
-                                                       shard.stream),
-                              f"cuMemsetD8Async(device {shard.device})")
+        self._on_every_shard("cuMemsetD8Async", lambda s: [
+            (s.ptr + off, 0, n, s.stream) for off, n in runs])
         self._sync_streams()
 
     def _memset_all(self) -> None:
-        drv = self._drv
-        for shard in self._shards:
-            with self._current(shard):
-                check(drv, drv.cuMemsetD8Async(shard.ptr, 0, self.size, shard.stream),
-                      f"cuMemsetD8Async(device {shard.device})")
+        self._on_every_shard("cuMemsetD8Async", lambda s: [(s.ptr, 0, self.size, s.stream)])
         self._sync_streams()
 
     def _sync_streams(self) -> None:
+        self._on_every_shard("cuStreamSynchronize", lambda s: [(s.stream,)])
+
+    def _on_every_shard(self, call: str, args: Callable[[_Shard], list[tuple[Any, ...]]]
+                        ) -> None:
+        """``drv.<call>(*a)`` for each ``a`` in ``args(shard)``, shard by shard, with that
+        shard's context current; raises CudaError naming the call and the device."""
         drv = self._drv
+        fn = getattr(drv, call)
         for shard in self._shards:
             with self._current(shard):
-                check(drv, drv.cuStreamSynchronize(shard.stream),
-                      f"cuStreamSynchronize(device {shard.device})")
+                for a in args(shard):
+                    check(drv, fn(*a), f"{call}(device {shard.device})")
 
     def read_block(self, block: int, shard: int = 0) -> bytes:
         """Every byte of a block on one shard, runs concatenated (for tests and diagnostics)."""
         self._check_open()
-        if not 0 <= block < self.spec.num_blocks:
-            raise IndexError(f"block {block} out of range 0..{self.spec.num_blocks - 1}")
+        runs = self.planes.block_runs(block)
         s = self._shards[shard]
         drv = self._drv
         out = bytearray(self.num_planes * self.run_bytes)
         dst = ctypes.addressof(ctypes.c_char.from_buffer(out))
         with self._current(s):
             # On the daemon's stream, so a read is ordered after any scrub still in flight.
-            for i, (off, n) in enumerate(self.block_runs(block)):
+            for i, (off, n) in enumerate(runs):
                 check(drv, drv.cuMemcpyDtoHAsync(dst + i * n, s.ptr + off, n, s.stream),
                       f"cuMemcpyDtoHAsync(device {s.device})")
             check(drv, drv.cuStreamSynchronize(s.stream), f"cuStreamSynchronize(device {s.device})")
@@ -402,12 +349,22 @@ class CudaPool:
 
     # -- what workers receive -------------------------------------------------------------------
 
-    def header(self) -> dict[str, object]:
-        """What a worker needs beyond the host header to import the shards (JSON-able).
+    def handle(self, epoch: int, fence_fd: int) -> tuple[wire.HandleHeader, list[int]]:
+        """The header and ``[shard fds in device order..., fence page fd]`` a worker receives.
 
         ``devices`` are this daemon's ordinals; ``device_uuids`` identify the same GPUs in a
         worker whose ordinals differ (another container with its own CUDA_VISIBLE_DEVICES).
         """
+        self._check_open()
+        header = header_for(self.spec, epoch=epoch, backend=self.backend, pool_bytes=self.size,
+                            devices=tuple(self.devices), shard_bytes=self.size,
+                            granularity=self.granularity,
+                            device_uuids=tuple(self.device_uuids))
+        return header, [*self.fds, fence_fd]
+
+    def header(self) -> dict[str, object]:
+        """The cuda-only header keys (JSON-able). TO BE REMOVED: the daemon's ``handle_for``
+        is to call ``handle`` instead."""
         return {"backend": self.backend, "devices": list(self.devices), "shard_bytes": self.size,
                 "granularity": self.granularity, "device_uuids": list(self.device_uuids)}
 

@@ -1,11 +1,11 @@
 """Fence pages: one small shared-memory page per session, where the worker publishes progress.
 
-The worker writes the highest fence whose GPU work is done as a little-endian uint64 at offset
-0 of its page; the daemon polls it (no RPC per step needed) and retires PENDING blocks. Each
-session gets its own memfd, so a worker can only ever advance its own fences: a shared page for
-all sessions would let one worker release another's blocks early. With crash recovery on, the
-page is a file in the daemon's private state directory instead, so a restarted daemon reads
-the page its workers still write.
+The worker writes the highest fence whose GPU work is done into its page (the format is
+``blockd.wire``'s: ``FENCE_PAGE_BYTES``, a little-endian uint64 at offset 0); the daemon polls
+it (no RPC per step needed) and retires PENDING blocks. Each session gets its own memfd, so a
+worker can only ever advance its own fences: a shared page for all sessions would let one worker
+release another's blocks early. With crash recovery on, the page is a file in the daemon's
+private state directory instead, so a restarted daemon reads the page its workers still write.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import struct
 
-PAGE_BYTES = 4096
-_U64 = struct.Struct("<Q")
+from blockd.wire import FENCE_PAGE_BYTES, read_fence
+
+#: TO BE REMOVED: the old name of ``blockd.wire.FENCE_PAGE_BYTES`` (the daemon still imports it).
+PAGE_BYTES = FENCE_PAGE_BYTES
 
 
 class FencePage:
@@ -32,9 +33,9 @@ class FencePage:
         else:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            if os.fstat(self.fd).st_size != PAGE_BYTES:
-                os.ftruncate(self.fd, PAGE_BYTES)
-            self.map = mmap.mmap(self.fd, PAGE_BYTES, mmap.MAP_SHARED,
+            if os.fstat(self.fd).st_size != FENCE_PAGE_BYTES:
+                os.ftruncate(self.fd, FENCE_PAGE_BYTES)
+            self.map = mmap.mmap(self.fd, FENCE_PAGE_BYTES, mmap.MAP_SHARED,
                                  mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
@@ -42,7 +43,7 @@ class FencePage:
 
     def read(self) -> int:
         """The fence the worker last published (0 before it published anything)."""
-        return int(_U64.unpack_from(self.map, 0)[0])
+        return read_fence(self.map)
 
     def close(self, unlink: bool = False) -> None:
         """Unmap; ``unlink`` also removes a file-backed page (its session has ended)."""
@@ -52,7 +53,3 @@ class FencePage:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
-
-def publish(page: mmap.mmap | memoryview, fence: int) -> None:
-    """The worker's side: an aligned 8-byte store, which x86-64 and arm64 make atomic."""
-    _U64.pack_into(page, 0, fence)

@@ -1,14 +1,8 @@
 """Hands a session's file descriptors to its worker over a Unix socket (SCM_RIGHTS).
 
-Protocol (one request per connection)::
-
-    worker -> daemon   {"session_id": "..."}\n
-    daemon -> worker   {"ok": true, "epoch": N, "pool_bytes": N, "fence_page_bytes": 4096, ...}\n
-                       + SCM_RIGHTS [pool fd, fence page fd]
-                   or  {"ok": false, "code": "NOT_FOUND", "message": "..."}\n
-
-The worker's side is ``blockd_client.pool.fetch_handles``. The session id is the capability:
-it is unguessable and only the worker that attached knows it.
+The protocol (request and answer lines, their size limits, the fd order) is
+``blockd.wire``'s; the worker's side is ``blockd_client.handles.fetch_handles``. The session id
+is the capability: it is unguessable and only the worker that attached knows it.
 No file name is ever created that another process could open. The server runs on its own thread
 with blocking sockets (asyncio has no portable SCM_RIGHTS), and only reads daemon state through
 ``lookup``, which returns immutable values.
@@ -17,20 +11,24 @@ with blocking sockets (asyncio has no portable SCM_RIGHTS), and only reads daemo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("blockd.handles")
-MAX_REQUEST = 4096
+from blockd import wire
 
-#: session_id -> (header dict, [fds]) or None when the session is unknown.
-Lookup = Callable[[str], "tuple[dict[str, Any], list[int]] | None"]
+log = logging.getLogger("blockd.handles")
+#: TO BE REMOVED: the old name of ``blockd.wire.MAX_REQUEST_BYTES``.
+MAX_REQUEST = wire.MAX_REQUEST_BYTES
+
+#: session_id -> (header, [fds]) or None when the session is unknown. ``Pool.handle`` makes the
+#: pair; a plain mapping (the daemon's older ``handle_for``) is checked through
+#: ``wire.HandleHeader`` before it is sent.
+Lookup = Callable[[str], "tuple[wire.HandleHeader | Mapping[str, Any], list[int]] | None"]
 
 
 class HandleServer:
@@ -64,25 +62,33 @@ class HandleServer:
                     log.warning("pool handle request failed: %s", exc)
 
     def _handle(self, conn: socket.socket) -> None:
+        limit = wire.MAX_REQUEST_BYTES
         data = b""
-        while not data.endswith(b"\n") and len(data) < MAX_REQUEST:
-            chunk = conn.recv(MAX_REQUEST)
+        while not data.endswith(b"\n") and len(data) < limit:
+            chunk = conn.recv(limit)
             if not chunk:
                 return
             data += chunk
         try:
-            session_id = str(json.loads(data)["session_id"])
-        except (ValueError, KeyError, TypeError):
-            conn.sendall(b'{"ok": false, "code": "INVALID_ARGUMENT", "message": '
-                         b'"session_id: expected {\\"session_id\\": ...}"}\n')
+            session_id = wire.decode_request(data)
+        except wire.WireError as exc:
+            conn.sendall(wire.encode_refusal("INVALID_ARGUMENT", str(exc)))
             return
         found = self.lookup(session_id)
         if found is None:
-            conn.sendall(b'{"ok": false, "code": "NOT_FOUND", "message": '
-                         b'"session_id: unknown or expired session"}\n')
+            conn.sendall(wire.encode_refusal("NOT_FOUND",
+                                             "session_id: unknown or expired session"))
             return
         header, fds = found
-        socket.send_fds(conn, [json.dumps({"ok": True, **header}).encode() + b"\n"], fds)
+        try:
+            if not isinstance(header, wire.HandleHeader):
+                header = wire.HandleHeader.from_json(header)
+            header.split_fds(fds)  # the documented count and order
+        except wire.WireError as exc:  # the daemon's own bug: say so rather than hang up
+            log.error("pool handle header refused by the wire contract: %s", exc)
+            conn.sendall(wire.encode_refusal("INTERNAL", f"bad handle header: {exc}"))
+            return
+        socket.send_fds(conn, [header.to_json()], fds)
 
     def close(self) -> None:
         self._stop = True

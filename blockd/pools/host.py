@@ -3,8 +3,8 @@ daemon's private state directory when crash recovery is on).
 
 Layout of one shard (documented once in ``blockd_gpu.layout``): a stacked tensor
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` of ``dtype``; shards follow
-each other. A block is therefore ``2 * num_layers * tp_size`` contiguous runs of
-``block_size * num_kv_heads * head_dim`` elements.
+each other in the one region. A block is therefore one run in each of the
+``2 * num_layers * tp_size`` planes (``blockd.pools.base.Planes``).
 
 The region is reserved with ``posix_fallocate``, so a full /dev/shm (or memory cgroup) fails
 here, at creation, instead of with SIGBUS on first touch. The file descriptor is what a worker
@@ -22,24 +22,27 @@ import mmap
 import os
 from collections.abc import Iterable
 
+from blockd import wire
 from blockd.core.errors import ResourceExhausted
-from blockd.core.spec import DTYPE_BYTES, PoolSpec
+from blockd.core.spec import PoolSpec
+from blockd.pools.base import Planes, header_for
 
 
 class HostPool:
-    """A memfd-backed KV pool. Owned by the daemon; workers map its fd."""
+    """A memfd-backed KV pool (a ``blockd.pools.base.Pool``). Owned by the daemon; workers map
+    its fd."""
 
+    medium = "CPU"
+    #: The backend's name in the config and the handle header. The daemon's comparisons with it
+    #: are to become ``medium`` comparisons (then only ``handle`` reads it).
     backend = "host"
 
     def __init__(self, spec: PoolSpec, prefault: bool = False, path: str | None = None,
                  reuse: bool = False) -> None:
         self.spec = spec
-        #: Bytes of one block's run within one (layer, K/V, shard) plane.
-        self.run_bytes = (spec.block_size * spec.num_kv_heads * spec.head_dim
-                          * DTYPE_BYTES[spec.dtype])
-        self.plane_bytes = self.run_bytes * spec.num_blocks
-        self.num_planes = 2 * spec.num_layers * spec.tp_size
-        self.size = self.plane_bytes * self.num_planes
+        #: All shards in one region: 2 * num_layers * tp_size planes.
+        self.planes = Planes.of(spec, shards=spec.tp_size)
+        self.size = self.planes.region_bytes
         self.path = path
         if path is None:
             self.fd = os.memfd_create("blockd-kv-pool", os.MFD_CLOEXEC)
@@ -72,27 +75,32 @@ class HostPool:
             self.map.madvise(mmap.MADV_WILLNEED)
             for off in range(0, self.size, mmap.PAGESIZE):
                 self.map[off] = 0
-        self._zeros = bytes(self.run_bytes)
-
-    def block_runs(self, block: int) -> list[tuple[int, int]]:
-        """(offset, length) of each contiguous run of ``block``'s bytes."""
-        return [(p * self.plane_bytes + block * self.run_bytes, self.run_bytes)
-                for p in range(self.num_planes)]
+        self._zeros = b""
 
     def zero_blocks(self, blocks: Iterable[int]) -> None:
         """Scrub: overwrite every byte of each block with zeros (synchronous memset)."""
-        zeros = self._zeros
-        run = self.run_bytes
         m = self.map
-        for b in blocks:
-            base = b * run
-            for p in range(self.num_planes):
-                off = p * self.plane_bytes + base
-                m[off:off + run] = zeros
+        for off, n in self.planes.zero_runs(blocks):
+            if len(self._zeros) < n:
+                self._zeros = bytes(n)  # grows to the longest span once, then is reused
+            m[off:off + n] = memoryview(self._zeros)[:n]
 
-    def read_block(self, block: int) -> bytes:
-        """Every byte of a block, runs concatenated (for tests and diagnostics)."""
-        return b"".join(self.map[o:o + n] for o, n in self.block_runs(block))
+    def read_block(self, block: int, shard: int = 0) -> bytes:
+        """Every byte of a block in one shard, runs concatenated (for tests and diagnostics)."""
+        if not 0 <= shard < self.spec.tp_size:
+            raise IndexError(f"shard {shard} out of range 0..{self.spec.tp_size - 1}")
+        per_shard = 2 * self.spec.num_layers
+        runs = self.planes.block_runs(block)[shard * per_shard:(shard + 1) * per_shard]
+        return b"".join(self.map[o:o + n] for o, n in runs)
+
+    def block_runs(self, block: int) -> list[tuple[int, int]]:
+        """(offset, length) of each contiguous run of ``block``'s bytes."""
+        return self.planes.block_runs(block)
+
+    def handle(self, epoch: int, fence_fd: int) -> tuple[wire.HandleHeader, list[int]]:
+        """The header and ``[pool fd, fence page fd]`` a session's worker receives."""
+        header = header_for(self.spec, epoch=epoch, backend=self.backend, pool_bytes=self.size)
+        return header, [self.fd, fence_fd]
 
     def close(self) -> None:
         self.map.close()

@@ -1,8 +1,11 @@
 """blockd's worker-side client library (import name ``blockd_client``).
 
-It depends only on the generated API stubs (``blockd.api.v1``) and ``blockd_gpu``:
+Of the daemon's package it depends only on the generated API stubs (``blockd.api.v1``), the
+wire contract (``blockd.wire``: layout names, the handle header, the fence page) and the
+cuda-python checks (``blockd.cudadrv``, for the CUDA pool only); and on ``blockd_gpu``:
 
-- ``Client`` / ``AsyncClient``: a channel with deadlines and retries on UNAVAILABLE;
+- ``Client`` / ``AsyncClient``: a channel with deadlines and retries on UNAVAILABLE (one call
+  loop, ``retry``);
 - ``Client.attach(tenant, layout)`` -> ``Session``: the pool mapped zero-copy (``PoolView``),
   local block tables (``BlockTables``), ``step(ops)``, ``complete(fence)``;
 - ``requests``: builders for operations and namespaces;

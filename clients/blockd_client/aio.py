@@ -1,4 +1,5 @@
-"""The asyncio client: the same requests, errors and session state as ``Client``."""
+"""The asyncio client: the same requests, errors, call loop (``blockd_client.retry``) and
+session state as ``Client``."""
 
 from __future__ import annotations
 
@@ -9,38 +10,23 @@ from typing import Any
 import grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd_client.client import Backoff, channel_options
-from blockd_client.errors import BlockdError
+from blockd_client.client import Connection
 from blockd_client.requests import layout_proto
-from blockd_client.session import SessionState, StepOutcome
+from blockd_client.session import SessionState, SessionViews, StepOutcome
 
 
-class AsyncClient:
-    def __init__(self, target: str, *, token: str = "", timeout: float = 10.0,
-                 retries: int = 6, backoff: float = 0.05, reconnect_s: float = 30.0) -> None:
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.reconnect_s = reconnect_s
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
-        self.stub = pb_grpc.BlockdServiceStub(self.channel)
+class AsyncClient(Connection):
+    """An asyncio connection to one blockd (same arguments as ``Client``)."""
+
+    open_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def call(self, method: Any, request: Any, *, timeout: float | None = None) -> Any:
-        backoff = None
-        while True:
-            try:
+        """One RPC with a deadline, retried on UNAVAILABLE only (the sync client's loop)."""
+        for attempt in self.retry.attempts():
+            async with attempt:
                 return await method(request, metadata=self.metadata,
-                                    timeout=self.timeout if timeout is None else timeout)
-            except grpc.aio.AioRpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
-                    backoff = backoff or Backoff(self.retries, self.backoff, self.reconnect_s)
-                    delay = backoff.next_delay()
-                    if delay is not None:
-                        await asyncio.sleep(delay)
-                        continue
-                raise BlockdError.from_rpc(err) from None
+                                    timeout=self.retry.deadline(timeout))
+        raise AssertionError("unreachable: attempts() never ends")
 
     async def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1,
                      worker_name: str = "", lease_ms: int = 0, map_pool: bool = True,
@@ -64,14 +50,10 @@ class AsyncClient:
         await self.channel.close()
 
 
-class AsyncSession:
+class AsyncSession(SessionViews):
     def __init__(self, client: AsyncClient, state: SessionState) -> None:
         self.client = client
         self.state = state
-
-    @property
-    def session_id(self) -> str:
-        return self.state.session_id
 
     async def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
         ops = list(ops)

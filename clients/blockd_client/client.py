@@ -2,7 +2,8 @@
 
 Every call has an explicit deadline; UNAVAILABLE (the daemon restarting, a connection reset) is
 retried with exponential backoff and jitter for up to ``reconnect_s`` seconds (a daemon killed
-and restarted by its supervisor comes back within that), nothing else is. A Step keeps its
+and restarted by its supervisor comes back within that), nothing else is: the loop is
+``blockd_client.retry``'s, shared with ``AsyncClient``. A Step keeps its
 step_id across retries, so a Step the daemon applied before the connection dropped is answered
 from its record (also by a daemon that recovered from a crash: it journals every Step before
 answering), never applied twice. When the pool's epoch changes (a daemon without crash
@@ -12,8 +13,6 @@ the engine re-admits its requests.
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -23,68 +22,41 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd_client.errors import BlockdError, EpochChanged
 from blockd_client.requests import layout_proto
-from blockd_client.session import SessionState, StepOutcome
+from blockd_client.retry import RetryPolicy, auth_metadata, channel_options
+from blockd_client.session import SessionState, SessionViews, StepOutcome
 from blockd_client.stream import StepStreamer
 
 T = TypeVar("T")
-MAX_MESSAGE = 16 * 1024 * 1024
 
 
-def channel_options() -> list[tuple[str, Any]]:
-    return [("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE)]
+class Connection:
+    """What ``Client`` and ``AsyncClient`` share: the channel to one blockd (``target`` is
+    ``unix:PATH`` or ``HOST:PORT``), its stub, the credential and the call policy
+    (``blockd_client.retry.RetryPolicy``). A subclass names its channel constructor."""
 
-
-class Backoff:
-    """Retry pacing: full-jitter exponential delays, at least ``retries`` of them and more
-    until ``reconnect_s`` seconds have passed since the first failure."""
-
-    def __init__(self, retries: int, base: float, reconnect_s: float, cap: float = 1.0) -> None:
-        self.retries = retries
-        self.base = base
-        self.cap = cap
-        self.deadline = time.monotonic() + reconnect_s
-        self.attempt = 0
-
-    def next_delay(self) -> float | None:
-        """Seconds to sleep before the next try, or None: give up."""
-        if self.attempt >= self.retries and time.monotonic() >= self.deadline:
-            return None
-        delay = random.uniform(0, min(self.cap, self.base * 2 ** min(self.attempt, 16)))
-        self.attempt += 1
-        return delay
-
-
-class Client:
-    """A connection to one blockd. ``target`` is ``unix:PATH`` or ``HOST:PORT``."""
+    #: ``grpc.insecure_channel`` or ``grpc.aio.insecure_channel``.
+    open_channel: Callable[..., Any] = staticmethod(grpc.insecure_channel)
 
     def __init__(self, target: str, *, token: str = "", timeout: float = 10.0,
                  retries: int = 6, backoff: float = 0.05, reconnect_s: float = 30.0) -> None:
         self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff = backoff
-        self.reconnect_s = reconnect_s
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.channel = grpc.insecure_channel(target, options=channel_options())
+        self.retry = RetryPolicy(timeout, retries, backoff, reconnect_s)
+        self.metadata = auth_metadata(token)
+        self.channel = self.open_channel(target, options=channel_options())
         self.stub = pb_grpc.BlockdServiceStub(self.channel)
+
+
+class Client(Connection):
+    """A synchronous connection to one blockd."""
 
     def call(self, method: Callable[..., T], request: Any, *, timeout: float | None = None
              ) -> T:
         """One RPC with a deadline, retried on UNAVAILABLE only."""
-        backoff = None
-        while True:
-            try:
+        for attempt in self.retry.attempts():
+            with attempt:
                 return method(request, metadata=self.metadata,
-                              timeout=self.timeout if timeout is None else timeout)
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
-                    backoff = backoff or Backoff(self.retries, self.backoff, self.reconnect_s)
-                    delay = backoff.next_delay()
-                    if delay is not None:
-                        time.sleep(delay)
-                        continue
-                raise BlockdError.from_rpc(err) from None
+                              timeout=self.retry.deadline(timeout))
+        raise AssertionError("unreachable: attempts() never ends")
 
     def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1, worker_name: str = "",
                lease_ms: int = 0, map_pool: bool = True, max_seqs: int = 1024,
@@ -109,7 +81,7 @@ class Client:
         self.close()
 
 
-class Session:
+class Session(SessionViews):
     """One attached worker: steps, fences, the mapped pool and the local block tables."""
 
     def __init__(self, client: Client, req: pb.AttachRequest, map_pool: bool, max_seqs: int,
@@ -129,22 +101,6 @@ class Session:
 
             pool = open_pool(resp.pool.handle_socket_path, resp.session_id)
         return SessionState(resp, pool, *self._sizes)
-
-    @property
-    def session_id(self) -> str:
-        return self.state.session_id
-
-    @property
-    def epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def pool(self) -> Any:
-        return self.state.pool
-
-    @property
-    def tables(self) -> Any:
-        return self.state.tables
 
     def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
         """Apply one scheduler iteration. Copy-on-write copies are done on return; run the

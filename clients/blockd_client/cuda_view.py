@@ -5,16 +5,14 @@ The CUDA twin of ``blockd_client.pool.PoolView`` (same public surface). The daem
 exports each as a POSIX file descriptor; the descriptors reach this process over the daemon's
 handle socket (SCM_RIGHTS), so no file name, hostIPC or hostPID is involved.
 
-Descriptor order (what the daemon's handle server must send)::
+The header (``blockd.wire.HandleHeader``, parsed and checked by ``blockd_client.handles``)
+carries the layout plus the cuda fields: ``devices`` (the daemon's ordinals, one per shard),
+``shard_bytes`` (size of each allocation), ``granularity`` and, when present, ``device_uuids``
+(hex; used to find the same GPUs when this process numbers its devices differently, e.g.
+another container with its own CUDA_VISIBLE_DEVICES). Descriptor order
+(``HandleHeader.split_fds``)::
 
     fds = [shard 0 fd, shard 1 fd, ..., shard tp_size-1 fd, fence page fd]
-
-Header keys read here: the host header's ``epoch``, ``num_blocks``, ``block_size``,
-``num_layers``, ``num_kv_heads``, ``head_dim``, ``dtype``, ``tp_size``, ``fence_page_bytes``, plus
-the CUDA pool's ``CudaPool.header()``: ``backend`` (``"cuda"``), ``devices`` (the daemon's
-ordinals, one per shard), ``shard_bytes`` (size of each allocation), ``granularity`` and, when
-present, ``device_uuids`` (hex; used to find the same GPUs when this process numbers its devices
-differently, e.g. another container with its own CUDA_VISIBLE_DEVICES).
 
 Per shard: ``cuMemImportFromShareableHandle`` -> ``cuMemAddressReserve`` -> ``cuMemMap`` ->
 ``cuMemSetAccess`` (read-write for that device), all with the device's primary context (the one
@@ -40,14 +38,16 @@ Verified on hardware only by ``tests/pools/test_cuda_pool.py`` on a GPU machine
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import struct
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
+from blockd import cudadrv, wire
+from blockd_client.handles import fetch_handles
+from blockd_client.views import MappedPool
+
 log = logging.getLogger("blockd_client.cuda_view")
-_U64 = struct.Struct("<Q")
 
 #: KV dtype -> (typestr torch can consume, torch dtype to view it as). bfloat16 has no typestr in
 #: the CUDA array interface: it is imported as int16 and reinterpreted (same bytes, no copy).
@@ -56,10 +56,6 @@ _TYPESTR: dict[str, tuple[str, str | None]] = {
     "float16": ("<f2", None),
     "bfloat16": ("<i2", "bfloat16"),
 }
-
-_HOST_KEYS = ("epoch", "num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim",
-              "dtype", "tp_size", "fence_page_bytes")
-_CUDA_KEYS = ("devices", "shard_bytes", "granularity")
 
 
 class CudaViewError(RuntimeError):
@@ -73,35 +69,20 @@ class CudaViewError(RuntimeError):
 
 def _driver() -> Any:
     try:
-        from cuda.bindings import driver
+        return cudadrv.driver()
     except ImportError as exc:
         raise ImportError(f"the CUDA pool needs cuda-python in the worker too "
                           f"(pip install 'cuda-python>=13'): {exc}") from exc
-    return driver
 
 
 def _check(drv: Any, result: Any, call: str) -> Any:
-    """Unpack cuda-python's ``(CUresult, *values)``; raise CudaViewError naming the error."""
-    err, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-    if int(err) != 0:
-        try:
-            name = str(drv.CUresult(int(err)).name)
-        except (ValueError, TypeError):
-            name = f"CUresult({err!r})"
-        raise CudaViewError(call, name)
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
+    """``cudadrv.check`` raising CudaViewError naming the call and the CUresult."""
+    return cudadrv.check(drv, result, call, CudaViewError)
 
 
 def _logged(drv: Any, result: Any, call: str) -> bool:
     """For teardown (finalizers must not raise): log a failed call; True when it succeeded."""
-    try:
-        _check(drv, result, call)
-    except CudaViewError as exc:
-        log.warning("cuda pool view teardown: %s", exc)
-        return False
-    return True
+    return cudadrv.logged(drv, result, call, log, "cuda pool view teardown")
 
 
 def _unmap(drv: Any, device: int, dev: Any, ctx: Any, ptr: int, size: int, handle: Any,
@@ -183,17 +164,11 @@ class _ShardMapping:
         self._finalizer()
 
 
-def _header_error(key: str, why: str) -> ValueError:
-    return ValueError(f"pool header {key}: {why}")
-
-
-def _local_devices(drv: Any, header: dict[str, Any], devices: list[int]) -> list[int]:
-    """This process's ordinals of the daemon's shard devices (by UUID when the header has them)."""
-    uuids = header.get("device_uuids")
+def _local_devices(drv: Any, uuids: Sequence[str], devices: list[int]) -> list[int]:
+    """This process's ordinals of the daemon's shard devices (by UUID when the header has them:
+    ``uuids`` empty means "the same ordinals")."""
     if not uuids:
         return devices
-    if len(uuids) != len(devices):
-        raise _header_error("device_uuids", f"expected {len(devices)} entries, got {len(uuids)}")
     count = _check(drv, drv.cuDeviceGetCount(), "cuDeviceGetCount")
     local: dict[str, int] = {}
     for ordinal in range(count):
@@ -211,74 +186,48 @@ def _local_devices(drv: Any, header: dict[str, Any], devices: list[int]) -> list
     return out
 
 
-class CudaPoolView:
+class CudaPoolView(MappedPool):
     """The imported CUDA pool (one mapping per shard) plus this session's fence page."""
 
-    def __init__(self, header: dict[str, Any], fds: list[int]) -> None:
+    def __init__(self, header: wire.HandleHeader, fds: list[int]) -> None:
+        """Import and map every shard (closes the fds: the mappings keep the memory)."""
         try:
             self._open(header, fds)
         finally:
             for fd in fds:
-                os.close(fd)  # the mappings keep the memory; the descriptors are not needed
+                os.close(fd)
 
     @classmethod
     def connect(cls, handle_socket: str, session_id: str) -> CudaPoolView:
         """Fetch a session's header and descriptors from the daemon's handle socket."""
-        from blockd_client.pool import fetch_handles
-
         header, fds = fetch_handles(handle_socket, session_id)
         return cls(header, fds)
 
-    def _open(self, header: dict[str, Any], fds: list[int]) -> None:
-        if header.get("backend") != "cuda":
-            raise ConnectionError(f"pool backend {header.get('backend')!r} is not 'cuda': use "
+    def _open(self, header: wire.HandleHeader, fds: list[int]) -> None:
+        if header.backend != "cuda":
+            raise ConnectionError(f"pool backend {header.backend!r} is not 'cuda': use "
                                   f"blockd_client.pool.PoolView for the host pool")
-        missing = [k for k in (*_HOST_KEYS, *_CUDA_KEYS) if k not in header]
-        if missing:
-            raise _header_error(", ".join(missing), "missing")
-        tp_size = int(header["tp_size"])
-        devices = [int(d) for d in header["devices"]]
-        if len(devices) != tp_size:
-            raise _header_error("devices", f"expected {tp_size} (tp_size) ordinals, got {devices}")
-        if len(fds) != tp_size + 1:
-            raise ValueError(f"expected {tp_size + 1} descriptors ({tp_size} shard fds then the "
-                             f"fence page fd), got {len(fds)}")
-        dtype = str(header["dtype"])
-        if dtype not in _TYPESTR:
-            raise _header_error("dtype", f"{dtype!r} cannot be viewed as a torch CUDA tensor; "
-                                f"supported: {', '.join(_TYPESTR)}")
+        shard_fds, fence_fd = header.split_fds(fds)
+        if header.dtype not in _TYPESTR:
+            raise ValueError(f"dtype: {header.dtype!r} cannot be viewed as a torch CUDA tensor; "
+                             f"supported: {', '.join(_TYPESTR)}")
         import torch
 
-        from blockd_gpu.layout import KvLayout
-
-        self.header = header
-        self.epoch = int(header["epoch"])
-        self.layout = KvLayout(num_layers=header["num_layers"],
-                               num_kv_heads=header["num_kv_heads"], head_dim=header["head_dim"],
-                               block_size=header["block_size"], dtype=dtype)
-        self.num_blocks = int(header["num_blocks"])
-        self.tp_size = tp_size
-        shape = tuple(self.layout.pool_shape(self.num_blocks))
-        size, granularity = int(header["shard_bytes"]), int(header["granularity"])
-        if size < self.layout.pool_bytes(self.num_blocks):
-            raise _header_error("shard_bytes", f"{size} is smaller than the layout's "
-                                f"{self.layout.pool_bytes(self.num_blocks)} bytes")
-        typestr, view_as = _TYPESTR[dtype]
-
+        typestr, view_as = _TYPESTR[header.dtype]
         drv = _driver()
         # torch first: its lazy init creates the primary contexts we then retain and share.
         torch.cuda.init()
         _check(drv, drv.cuInit(0), "cuInit")
-        self.devices = _local_devices(drv, header, devices)
-        fence_fd = fds[-1]
-        self._fence = mmap.mmap(fence_fd, int(header["fence_page_bytes"]), mmap.MAP_SHARED,
-                                mmap.PROT_READ | mmap.PROT_WRITE)
+        self.devices = _local_devices(drv, header.device_uuids, list(header.devices))
+        self._adopt(header, fence_fd)
+        shape = tuple(self.layout.pool_shape(self.num_blocks))
         mappings: list[_ShardMapping] = []
         pools: list[Any] = []
         made = 0  # mappings a tensor was made from
         try:
-            for fd, dev in zip(fds[:-1], self.devices, strict=True):
-                mappings.append(_ShardMapping(drv, fd, dev, size, granularity, shape, typestr))
+            for fd, dev in zip(shard_fds, self.devices, strict=True):
+                mappings.append(_ShardMapping(drv, fd, dev, header.shard_bytes,
+                                              header.granularity, shape, typestr))
             for m in mappings:
                 t = torch.as_tensor(m, device=f"cuda:{m.device}")
                 made += 1
@@ -293,32 +242,7 @@ class CudaPoolView:
                 m.release_unused()
             self._fence.close()
             raise
-        self._pools: list[Any] | None = pools
+        self._pools = pools
+        # torch holds each mapping for as long as a tensor's storage lives (module NOTE).
         self._map_refs = [weakref.ref(m) for m in mappings]
         del mappings
-
-    def kv_pool(self, shard: int = 0) -> Any:
-        """The stacked pool of one shard: ``[num_layers, 2, num_blocks, B, H, D]`` on its GPU."""
-        assert self._pools is not None, "CudaPoolView is closed"
-        return self._pools[shard]
-
-    def kv_caches(self, shard: int = 0) -> list[tuple[Any, Any]]:
-        """Per-layer ``(k_cache, v_cache)`` views, each ``[num_blocks, B, H, D]``."""
-        return self.layout.kv_caches(self.kv_pool(shard))
-
-    def publish_fence(self, fence: int) -> None:
-        """Tell the daemon that all GPU work up to ``fence`` is done (an 8-byte store). Call it
-        only once that work has completed on your stream (e.g. after ``event.synchronize()``)."""
-        _U64.pack_into(self._fence, 0, fence)
-
-    @property
-    def mapped(self) -> bool:
-        """Whether any shard is still mapped (by this view or a tensor that outlived it)."""
-        return any(ref() is not None for ref in self._map_refs)
-
-    def close(self) -> None:
-        """Drop this view's references; see the module NOTE for when memory is unmapped."""
-        if self._pools is None:
-            return
-        self._pools = None
-        self._fence.close()

@@ -5,18 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from blockd import wire
 from blockd.api.v1 import blockd_pb2 as pb
-
-DTYPES = {"float32": pb.KV_DTYPE_FLOAT32, "float16": pb.KV_DTYPE_FLOAT16,
-          "bfloat16": pb.KV_DTYPE_BFLOAT16, "float8_e4m3": pb.KV_DTYPE_FLOAT8_E4M3}
-KV_ORDERS = {"NHD": pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM}
 
 
 def layout_proto(layout: Any, tp_size: int = 1) -> pb.KvLayout:
-    """A ``blockd_gpu.KvLayout`` (or anything with its fields) as the proto KvLayout."""
+    """A ``blockd_gpu.KvLayout`` (or anything with its fields) as the proto KvLayout; the enum
+    numbers are ``blockd.wire``'s."""
     return pb.KvLayout(block_size=layout.block_size, num_layers=layout.num_layers,
                        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                       dtype=DTYPES[layout.dtype], kv_order=KV_ORDERS[layout.kv_order],
+                       dtype=wire.dtype_to_proto(layout.dtype),
+                       kv_order=wire.kv_order_to_proto(layout.kv_order),
                        tp_size=tp_size)
 
 

@@ -38,6 +38,22 @@ class StepOutcome:
         return [p.sequence_id for p in self.response.preempted]
 
 
+def _of_state(name: str, doc: str) -> Any:
+    """A read-only property reading ``self.state.<name>``."""
+    return property(lambda self: getattr(self.state, name), doc=doc)
+
+
+class SessionViews:
+    """Read-only views of a session's ``state`` that ``Session`` and ``AsyncSession`` share."""
+
+    state: SessionState
+    session_id: str = _of_state("session_id", "The daemon's id of this session.")
+    epoch: int = _of_state("epoch", "The pool's epoch this session was attached in.")
+    pool: Any = _of_state("pool", "The mapped pool (``PoolView`` or ``CudaPoolView``); None "
+                          "with ``map_pool=False``.")
+    tables: Any = _of_state("tables", "The local block tables (``BlockTables``).")
+
+
 class SessionState:
     def __init__(self, attach: pb.AttachResponse, pool: Any | None, max_seqs: int,
                  max_blocks: int, device: Any) -> None:

@@ -45,7 +45,7 @@ class StepStreamer:
         self._watchdog: threading.Thread | None = None
 
     def _watch(self) -> None:
-        tick = min(0.1, self.client.timeout / 4)
+        tick = min(0.1, self.client.retry.timeout / 4)
         while not self._closed.wait(tick):
             with self._wait_lock:  # never cancel a round trip that has just been answered
                 waiting = self._waiting
@@ -67,8 +67,7 @@ class StepStreamer:
         self._requests = self._responses = None
 
     def round_trip(self, req: pb.StepRequest) -> pb.StepResponse:
-        from blockd_client.client import Backoff
-
+        policy = self.client.retry
         with self._lock:
             backoff = None
             while True:
@@ -82,7 +81,7 @@ class StepStreamer:
                 responses = self._responses
                 with self._wait_lock:
                     self._expired = False
-                    self._waiting = (time.monotonic() + self.client.timeout, responses)
+                    self._waiting = (time.monotonic() + policy.timeout, responses)
                 self._requests.put(req)
                 try:
                     return next(responses)
@@ -94,7 +93,7 @@ class StepStreamer:
                     self._drop()
                     if exc.code() == grpc.StatusCode.CANCELLED and self._expired:
                         raise BlockdError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                          f"no answer within {self.client.timeout} s") from None
+                                          f"no answer within {policy.timeout} s") from None
                     err_code = exc.code()
                     err = exc
                 finally:
@@ -102,8 +101,7 @@ class StepStreamer:
                         self._waiting = None
                 if err_code != grpc.StatusCode.UNAVAILABLE:
                     raise BlockdError.from_rpc(err) from None  # type: ignore[arg-type]
-                c = self.client
-                backoff = backoff or Backoff(c.retries, c.backoff, c.reconnect_s)
+                backoff = backoff or policy.backoff_clock()
                 delay = backoff.next_delay()
                 if delay is None:
                     if err is None:

@@ -10,10 +10,14 @@ Per-layer caches are views of it, never copies::
     k_cache = kv_pool[layer, 0]   # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache = kv_pool[layer, 1]   # same shape
 
-The per-layer order is "NHD" (token N, head H, head dim D), FlashInfer's name for it. Kernels
-accept any strides for the block, token and head dimensions but need ``head_dim`` innermost
-(stride 1); ``copy_blocks`` also needs each block's ``block_size * num_kv_heads * head_dim``
-elements to be contiguous, which the pool above guarantees.
+The per-layer order is "NHD" (token N, head H, head dim D), FlashInfer's name for it; its
+canonical name (``KvLayout.kv_order``) is the proto's, ``"block_token_head_dim"``, and "NHD" is
+accepted for it. The names of dtypes and orders, the block-size rule (a power of two in
+1..256) and the byte arithmetic are ``blockd.wire``'s, the contract the daemon applies to its
+pool too (this package imports nothing else of blockd, and never the client). Kernels accept
+any strides for the block, token and head dimensions but need ``head_dim`` innermost (stride
+1); ``copy_blocks`` also needs each block's ``block_size * num_kv_heads * head_dim`` elements
+to be contiguous, which the pool above guarantees.
 
 Per-step metadata (all on the caches' device):
 
@@ -46,45 +50,38 @@ from typing import Any
 
 import torch
 
+from blockd import wire
+
 __all__ = ["KvLayout", "PAD_SLOT_ID", "SUPPORTED_DTYPES", "KV_ORDERS", "canonical_dtype"]
 
 PAD_SLOT_ID = -1
 """A ``slot_mapping`` entry that ``reshape_and_cache`` skips (padding tokens)."""
 
-SUPPORTED_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
-                  "bf16": "bfloat16"}
-KV_ORDERS = ("NHD",)
+#: The torch dtype of each of ``blockd.wire.DTYPES`` (the names are torch's).
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in wire.DTYPES}
+KV_ORDERS = tuple(wire.KV_ORDERS)
 
 
 def canonical_dtype(dtype: str | torch.dtype, *, arg: str = "dtype") -> str:
     """Name of a supported KV dtype (``"float32"``, ``"float16"``, ``"bfloat16"``)."""
     if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
-    elif isinstance(dtype, str):
-        name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
-    else:
+        dtype = str(dtype).removeprefix("torch.")
+    elif not isinstance(dtype, str):
         raise TypeError(f"{arg}: expected a torch.dtype or a dtype name, "
                         f"got {type(dtype).__name__}")
-    if name not in SUPPORTED_DTYPES:
-        raise ValueError(f"{arg}: unsupported KV dtype {dtype!r}; supported: "
-                         f"{', '.join(SUPPORTED_DTYPES)}")
-    return name
+    return wire.canonical_dtype(dtype, field=arg)
 
 
 @dataclass(frozen=True)
 class KvLayout:
     """What a worker's kernels were built for; compared with the pool's layout at Attach.
 
-    Invariants (checked in ``__post_init__``): every count is a positive int, ``block_size`` is a
-    power of two (slot arithmetic and kernel tiles rely on it), ``dtype`` is a canonical name from
-    ``SUPPORTED_DTYPES`` and ``kv_order`` is one of ``KV_ORDERS``. ``num_kv_heads`` is the count in
-    this worker's shard (after tensor parallelism). ``num_blocks`` is a property of a pool, not of
-    a layout: the same kernels serve any pool size.
+    Invariants (checked in ``__post_init__``, by ``blockd.wire``'s rules): every count is a
+    positive int, ``block_size`` is a power of two in 1..256 (``wire.check_block_size``),
+    ``dtype`` is a canonical name from ``SUPPORTED_DTYPES`` and ``kv_order`` one of
+    ``KV_ORDERS`` (aliases are normalised). ``num_kv_heads`` is the count in this worker's shard
+    (after tensor parallelism). ``num_blocks`` is a property of a pool, not of a layout: the
+    same kernels serve any pool size. Pure data: the tensor checks are ``blockd_gpu.validate``'s.
     """
 
     num_layers: int
@@ -92,19 +89,15 @@ class KvLayout:
     head_dim: int
     block_size: int
     dtype: str
-    kv_order: str = "NHD"
+    kv_order: str = wire.KV_ORDER
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            wire.check_count(getattr(self, name), name)
+        wire.check_block_size(self.block_size)
         # Frozen: normalise through object.__setattr__ so torch.bfloat16 and "bf16" compare equal.
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        if self.kv_order not in KV_ORDERS:
-            raise ValueError(f"kv_order: unsupported {self.kv_order!r}; supported: {KV_ORDERS}")
+        object.__setattr__(self, "kv_order", wire.canonical_kv_order(self.kv_order))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -112,7 +105,7 @@ class KvLayout:
 
     @property
     def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+        return wire.DTYPE_BYTES[self.dtype]
 
     @property
     def block_numel(self) -> int:
@@ -122,7 +115,7 @@ class KvLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes one block id occupies in the pool: all layers, K and V."""
-        return self.num_layers * 2 * self.block_numel * self.itemsize
+        return wire.block_bytes(self)
 
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         """One layer's K (or V) cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -133,21 +126,25 @@ class KvLayout:
         return (self.num_layers, 2, *self.cache_shape(num_blocks))
 
     def pool_bytes(self, num_blocks: int) -> int:
-        return num_blocks * self.block_bytes
+        """Bytes of the stacked pool of ``num_blocks`` blocks."""
+        return wire.pool_bytes(self, num_blocks)
 
     def allocate_pool(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zeroed pool with this layout (tests, reference worker); the daemon owns real ones."""
         return torch.zeros(self.pool_shape(num_blocks), dtype=self.torch_dtype, device=device)
 
     def kv_caches(self, kv_pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer ``(k_cache, v_cache)`` views of ``kv_pool`` (validated against this layout)."""
-        self.validate_pool(kv_pool)
+        """Per-layer ``(k_cache, v_cache)`` views of ``kv_pool``, which must have this layout
+        (shape and dtype; ``blockd_gpu.validate.validate_pool`` also checks strides)."""
+        diff = self.mismatch(KvLayout.from_pool(kv_pool, self.kv_order))
+        if diff:
+            raise ValueError("kv_pool: does not match layout: " + "; ".join(diff))
         return [(kv_pool[layer, 0], kv_pool[layer, 1]) for layer in range(self.num_layers)]
 
     @classmethod
-    def from_pool(cls, kv_pool: torch.Tensor, kv_order: str = "NHD") -> KvLayout:
+    def from_pool(cls, kv_pool: torch.Tensor, kv_order: str = wire.KV_ORDER) -> KvLayout:
         """The layout a stacked ``kv_pool`` tensor has (its shape and dtype)."""
-        if not isinstance(kv_pool, torch.Tensor) or kv_pool.dim() != 6:
+        if not isinstance(kv_pool, torch.Tensor) or kv_pool.dim() != 6 or kv_pool.shape[1] != 2:
             raise ValueError("kv_pool: expected a 6-d tensor [num_layers, 2, num_blocks, "
                              "block_size, num_kv_heads, head_dim]")
         num_layers, _, _, block_size, num_kv_heads, head_dim = kv_pool.shape
@@ -161,15 +158,3 @@ class KvLayout:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def validate_pool(self, kv_pool: torch.Tensor) -> int:
-        """Check a stacked pool against this layout; returns its ``num_blocks``."""
-        from .validate import validate_pool
-
-        return validate_pool(kv_pool, layout=self)
-
-    def validate_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-        """Check one layer's caches against this layout; returns their ``num_blocks``."""
-        from .validate import validate_kv_cache
-
-        return validate_kv_cache(k_cache, v_cache, layout=self).num_blocks

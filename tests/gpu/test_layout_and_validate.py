@@ -8,6 +8,7 @@ from _kvtest import build_paged, rand
 
 import blockd_gpu as bg
 from blockd_gpu.layout import KvLayout
+from blockd_gpu.validate import validate_kv_cache, validate_pool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -18,7 +19,8 @@ def test_layout_normalises_dtype_and_sizes():
     a = KvLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
     b = KvLayout(32, 8, 128, 16, "bf16")
     assert a == b and hash(a) == hash(b) and a.dtype == "bfloat16"
-    assert a.torch_dtype is torch.bfloat16 and a.kv_order == "NHD"
+    assert KvLayout(32, 8, 128, 16, "bf16", kv_order="NHD") == a  # FlashInfer's name, an alias
+    assert a.torch_dtype is torch.bfloat16 and a.kv_order == "block_token_head_dim"
     assert a.block_numel == 16 * 8 * 128
     assert a.block_bytes == 32 * 2 * 16 * 8 * 128 * 2  # all layers, K and V, bf16
     assert a.cache_shape(100) == (100, 16, 8, 128)
@@ -32,6 +34,8 @@ def test_layout_normalises_dtype_and_sizes():
     ({"num_kv_heads": -1}, "num_kv_heads"),
     ({"head_dim": 1.5}, "head_dim"),
     ({"block_size": 12}, "block_size"),
+    ({"block_size": 512}, "block_size"),
+    ({"dtype": "float8_e4m3"}, "dtype"),
     ({"dtype": "int8"}, "dtype"),
     ({"dtype": 3}, "dtype"),
     ({"kv_order": "HND"}, "kv_order"),
@@ -60,22 +64,24 @@ def test_pool_views_share_storage_and_from_pool_round_trips():
     v1[0, 0, 0, 0] = 9.0
     assert pool[1, 0, 2, 3, 1, 4] == 7.0 and pool[1, 1, 0, 0, 0, 0] == 9.0
     assert KvLayout.from_pool(pool) == layout
-    assert layout.validate_pool(pool) == 5
-    assert layout.validate_kv_cache(k1, v1) == 5
+    assert validate_pool(pool, layout=layout) == 5
+    assert validate_kv_cache(k1, v1, layout=layout).num_blocks == 5
+    with pytest.raises(ValueError, match=r"^kv_pool: does not match layout: num_kv_heads"):
+        KvLayout(3, 4, 64, 8, "float32").kv_caches(pool)
 
 
 def test_validate_pool_against_layout():
     layout = KvLayout(3, 2, 64, 8, "float32")
     other = KvLayout(3, 2, 64, 16, "float32").allocate_pool(2)
     with pytest.raises(ValueError, match=r"^kv_pool: does not match layout: block_size"):
-        layout.validate_pool(other)
+        validate_pool(other, layout=layout)
     with pytest.raises(ValueError, match="^kv_pool: dimension 1 must be 2"):
-        layout.validate_pool(torch.zeros(3, 3, 2, 8, 2, 64))
+        validate_pool(torch.zeros(3, 3, 2, 8, 2, 64), layout=layout)
     with pytest.raises(ValueError, match="^kv_pool: each block must be contiguous"):
         bg.copy_blocks(torch.zeros(3, 2, 2, 2, 64, 8).transpose(-1, -2),
                        torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="^k_cache: shape"):
-        layout.validate_kv_cache(torch.zeros(2, 8, 2, 32), torch.zeros(2, 8, 2, 32))
+        validate_kv_cache(torch.zeros(2, 8, 2, 32), torch.zeros(2, 8, 2, 32), layout=layout)
 
 
 # --- argument checks -------------------------------------------------------------------------

@@ -31,11 +31,12 @@ from typing import Any
 
 import pytest
 
+from blockd import wire
 from blockd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from blockd.core.spec import PoolSpec
 from blockd.pools import cuda as cuda_pool
 from blockd.pools.cuda import CudaPool, cuda_unavailable_reason
-from blockd.pools.fences import PAGE_BYTES, FencePage
+from blockd.pools.fences import FencePage
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = PoolSpec(block_size=16, num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=64,
@@ -112,27 +113,41 @@ def _view_header(**over: Any) -> dict[str, Any]:
     h: dict[str, Any] = {"ok": True, "epoch": 3, "backend": "cuda", "pool_bytes": 2 << 20,
                          "num_blocks": 64, "block_size": 16, "num_layers": 2, "num_kv_heads": 2,
                          "head_dim": 64, "dtype": "float16", "tp_size": 1,
-                         "fence_page_bytes": PAGE_BYTES, "devices": [0],
+                         "fence_page_bytes": wire.FENCE_PAGE_BYTES, "devices": [0],
                          "shard_bytes": 2 << 20, "granularity": 2 << 20}
     h.update(over)
     return h
 
 
 @pytest.mark.parametrize(("header", "nfds", "error", "words"), [
-    (_view_header(backend="host"), 2, ConnectionError, "PoolView"),
-    (_view_header(tp_size=2), 2, ValueError, "devices"),
+    (_view_header(tp_size=2), 2, ValueError, "^devices"),
     (_view_header(tp_size=2, devices=[0, 1]), 2, ValueError, "expected 3 descriptors"),
     (_view_header(), 3, ValueError, "expected 2 descriptors"),
-    (_view_header(dtype="float8_e4m3"), 2, ValueError, "dtype"),
+    (_view_header(dtype="float8_e4m3"), 2, ValueError, "^dtype"),
+    (_view_header(shard_bytes=1 << 19, granularity=1 << 19), 2, ValueError, "^shard_bytes"),
     ({k: v for k, v in _view_header().items() if k != "shard_bytes"}, 2, ValueError,
-     "shard_bytes"),
+     "^shard_bytes"),
+    ({"ok": False, "code": "NOT_FOUND", "message": "gone"}, 2, ConnectionError, "NOT_FOUND"),
 ])
-def test_view_rejects_a_bad_header_and_closes_the_fds(header: dict[str, Any], nfds: int,
-                                                      error: type[Exception], words: str) -> None:
-    from blockd_client.cuda_view import CudaPoolView
+def test_worker_rejects_a_bad_answer_and_closes_the_fds(header: dict[str, Any], nfds: int,
+                                                        error: type[Exception],
+                                                        words: str) -> None:
+    from blockd_client.handles import parse_answer
 
     fds = [os.memfd_create("t", os.MFD_CLOEXEC) for _ in range(nfds)]
     with pytest.raises(error, match=words):
+        parse_answer(json.dumps(header).encode() + b"\n", fds)
+    assert not any(fd_is_open(fd) for fd in fds)
+
+
+def test_cuda_view_refuses_a_host_header_and_closes_the_fds() -> None:
+    from blockd_client.cuda_view import CudaPoolView
+
+    header = wire.HandleHeader.from_json({
+        k: v for k, v in _view_header(backend="host").items()
+        if k not in ("devices", "shard_bytes", "granularity")})
+    fds = [os.memfd_create("t", os.MFD_CLOEXEC) for _ in range(2)]
+    with pytest.raises(ConnectionError, match="PoolView"):
         CudaPoolView(header, fds)
     assert not any(fd_is_open(fd) for fd in fds)
 
@@ -444,7 +459,13 @@ def test_fake_geometry_fds_and_header(fake: FakeDriver) -> None:
         assert pool.header() == {"backend": "cuda", "devices": [0, 1], "shard_bytes": pool.size,
                                  "granularity": fake.granularity,
                                  "device_uuids": ["01" * 16, "02" * 16]}
-        json.dumps(pool.header())
+        header, fds = pool.handle(7, 99)
+        assert fds == [*pool.fds, 99] and header.split_fds(fds) == (pool.fds, 99)
+        assert header.medium == pool.medium == "GPU" and header.epoch == 7
+        assert (header.devices, header.shard_bytes, header.granularity) == (
+            (0, 1), pool.size, fake.granularity)
+        assert header.device_uuids == ("01" * 16, "02" * 16)
+        assert wire.HandleHeader.from_json(header.to_json()) == header
         # Each shard mapped read-write for its own device only.
         for va, desc in fake.access.items():
             dev = fake.handle_device[fake.maps[va][0]]
@@ -614,10 +635,10 @@ def test_fake_worker_finds_the_daemons_gpus_by_uuid() -> None:
 
     drv = FakeDriver(num_devices=3)  # uuid of ordinal i is (i + 1) repeated
     header = {"devices": [0, 1], "device_uuids": ["03" * 16, "01" * 16]}
-    assert _local_devices(drv, header, [0, 1]) == [2, 0]
-    assert _local_devices(drv, {"devices": [0, 1]}, [0, 1]) == [0, 1]  # no uuids: as sent
+    assert _local_devices(drv, header["device_uuids"], [0, 1]) == [2, 0]
+    assert _local_devices(drv, (), [0, 1]) == [0, 1]  # no uuids: as sent
     with pytest.raises(RuntimeError, match="shard 1: the daemon's GPU .* is not visible"):
-        _local_devices(drv, {"device_uuids": ["01" * 16, "09" * 16]}, [0, 1])
+        _local_devices(drv, ["01" * 16, "09" * 16], [0, 1])
 
 
 # -- GPU: the real driver ---------------------------------------------------------------------
@@ -644,13 +665,12 @@ def gpu() -> None:
         pytest.skip(reason)
 
 
-def worker_header(pool: CudaPool, epoch: int = 1) -> dict[str, Any]:
-    """What the daemon's handle server sends with the CUDA pool (see docs/cuda_pool.md)."""
-    s = pool.spec
-    return {"ok": True, "epoch": epoch, "pool_bytes": pool.size, "num_blocks": s.num_blocks,
-            "block_size": s.block_size, "num_layers": s.num_layers,
-            "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "dtype": s.dtype,
-            "tp_size": s.tp_size, "fence_page_bytes": PAGE_BYTES, **pool.header()}
+def worker_header(pool: CudaPool, page: FencePage, epoch: int = 1
+                  ) -> tuple[wire.HandleHeader, list[int]]:
+    """What the daemon's handle server sends with the CUDA pool, fds duplicated (the view
+    closes the ones it is given)."""
+    header, fds = pool.handle(epoch, page.fd)
+    return header, [os.dup(fd) for fd in fds]
 
 
 def pattern(spec: PoolSpec, seed: int) -> Any:
@@ -704,7 +724,7 @@ def test_gpu_view_in_process_is_zero_copy_both_ways(dtype: str) -> None:
     pool = CudaPool(spec)
     page = FencePage()
     try:
-        view = CudaPoolView(worker_header(pool), [os.dup(pool.fds[0]), os.dup(page.fd)])
+        view = CudaPoolView(*worker_header(pool, page))
         kv = view.kv_pool(0)
         assert kv.shape == (2, 2, 64, 16, 2, 64) and kv.dtype == getattr(torch, dtype)
         assert kv.device == torch.device("cuda", pool.devices[0])
@@ -739,13 +759,14 @@ CHILD = r"""
 import json, os, socket, sys
 import torch
 from blockd_client.cuda_view import CudaPoolView
+from blockd_client.handles import parse_answer
 
 sock = socket.socket(fileno=int(sys.argv[1]))
 buf, fds, _, _ = socket.recv_fds(sock, 1 << 16, 16)
-header = json.loads(buf)
+header, fds = parse_answer(buf, fds)
 view = CudaPoolView(header, fds)
 kv = view.kv_pool(0)
-n = header["block_size"] * header["num_kv_heads"] * header["head_dim"]
+n = header.block_size * header.num_kv_heads * header.head_dim
 x = ((torch.arange(n, dtype=torch.float32) * 7 + 11) % 251) * 0.5 + 0.5
 kv[1, 0, 3].copy_(x.reshape(kv.shape[3:]).to(kv.dtype))     # layer 1, K, block 3
 kv[:, :, 8].fill_(1)                                         # every run of block 8
@@ -774,8 +795,8 @@ def test_gpu_fd_over_scm_rights_to_another_process() -> None:
     child.close()
     try:
         # Exactly what the handle server does: one JSON line plus [shard fds..., fence fd].
-        socket.send_fds(parent, [json.dumps(worker_header(pool)).encode() + b"\n"],
-                        [*pool.fds, page.fd])
+        header, fds = pool.handle(1, page.fd)
+        socket.send_fds(parent, [header.to_json()], fds)
         assert proc.stdout is not None and proc.stdin is not None
         line = proc.stdout.readline().strip()
         assert line == "written", proc.stderr.read() if proc.stderr else line
@@ -819,7 +840,7 @@ def test_gpu_tensor_parallel_shards_share_block_ids() -> None:
     page = FencePage()
     try:
         assert pool.devices == [0, 1] and len(pool.fds) == 2
-        view = CudaPoolView(worker_header(pool), [*map(os.dup, pool.fds), os.dup(page.fd)])
+        view = CudaPoolView(*worker_header(pool, page))
         assert [view.kv_pool(s).device.index for s in (0, 1)] == [0, 1]
         want = pattern(spec, 3).to(torch.float16)
         view.kv_pool(1)[0, 1, 5].copy_(want.cuda(1))  # shard 1, layer 0, V, block 5

@@ -1,0 +1,83 @@
+"""What every mapped pool view shares: the header, the layout, per-shard tensors, the fence page.
+
+``blockd_client.pool.PoolView`` (host memfd) and ``blockd_client.cuda_view.CudaPoolView`` (CUDA
+VMM) differ only in how they map the shards; both then expose ``kv_pool(shard)`` as
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (the ``blockd_gpu.layout``
+contract), ``kv_caches(shard)`` as per-layer ``(k_cache, v_cache)`` views of it, and
+``publish_fence`` into this session's fence page (``blockd.wire``'s format).
+
+NOTE: a view never unmaps memory a tensor still uses. ``close()`` only drops the view's own
+references; a shard is unmapped when the last tensor viewing it is garbage-collected
+(``mapped`` tells). Each subclass says how its mapping is kept alive by its tensors.
+"""
+
+from __future__ import annotations
+
+import mmap
+import weakref
+from typing import Any
+
+from blockd import wire
+
+__all__ = ["MappedPool"]
+
+
+class MappedPool:
+    """Base of the pool views; a subclass maps the shards and fills ``_pools``/``_map_refs``."""
+
+    header: wire.HandleHeader
+    epoch: int
+    #: The ``blockd_gpu.KvLayout`` the pool has (from the header).
+    layout: Any
+    num_blocks: int
+    tp_size: int
+    _fence: mmap.mmap
+    _pools: list[Any] | None = None
+    #: Weak references to whatever keeps each shard mapped (see the module NOTE).
+    _map_refs: list[weakref.ref[Any]]
+
+    def _adopt(self, header: wire.HandleHeader, fence_fd: int) -> None:
+        """Take the header's layout and map the fence page (the fd stays the caller's)."""
+        from blockd_gpu.layout import KvLayout
+
+        self.header = header
+        self.epoch = header.epoch
+        self.layout = KvLayout(num_layers=header.num_layers, num_kv_heads=header.num_kv_heads,
+                               head_dim=header.head_dim, block_size=header.block_size,
+                               dtype=header.dtype)
+        self.num_blocks = header.num_blocks
+        self.tp_size = header.tp_size
+        self._map_refs = []
+        self._fence = mmap.mmap(fence_fd, header.fence_page_bytes, mmap.MAP_SHARED,
+                                mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def kv_pool(self, shard: int = 0) -> Any:
+        """The stacked pool of one shard: ``[num_layers, 2, num_blocks, B, H, D]``."""
+        if self._pools is None:
+            raise ValueError(f"{type(self).__name__} is closed")
+        return self._pools[shard]
+
+    def kv_caches(self, shard: int = 0) -> list[tuple[Any, Any]]:
+        """Per-layer ``(k_cache, v_cache)`` views, each ``[num_blocks, B, H, D]``."""
+        return self.layout.kv_caches(self.kv_pool(shard))
+
+    def publish_fence(self, fence: int) -> None:
+        """Tell the daemon that all GPU work up to ``fence`` is done (an 8-byte store). Call it
+        only once that work has completed on your stream (e.g. after ``event.synchronize()``)."""
+        wire.write_fence(self._fence, fence)
+
+    @property
+    def mapped(self) -> bool:
+        """Whether any shard is still mapped (by this view or a tensor that outlived it)."""
+        return any(ref() is not None for ref in self._map_refs)
+
+    def _drop_mappings(self) -> None:
+        """Drop the view's own strong references to its mappings (subclasses that hold any)."""
+
+    def close(self) -> None:
+        """Drop this view's references; see the module NOTE for when memory is unmapped."""
+        if self._pools is None:
+            return
+        self._pools = None
+        self._drop_mappings()
+        self._fence.close()
