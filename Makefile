@@ -18,7 +18,7 @@ install: $(STAMP)
 
 ## Run the daemon on its embedded default (host shared-memory pool, no GPU).
 serve: $(STAMP)
-	$(PY) -m blockd serve
+	$(VENV)/bin/blockd serve
 
 ## The whole suite (derandomised property tests; the Triton kernels run in the interpreter).
 test: $(STAMP)

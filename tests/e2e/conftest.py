@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_support import MODEL_CONFIG  # noqa: E402
 
-from blockd_client.reference import TinyLlama  # noqa: E402
+from blockd_apps.reference import TinyLlama  # noqa: E402
 
 
 @pytest.fixture(scope="session")

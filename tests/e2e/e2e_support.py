@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from daemon_proc import TENANTS, TOKENS, Daemon, start
 
-from blockd_client import Client
-from blockd_client.reference import (
+from blockd_apps.reference import (
     Engine,
     EngineConfig,
     ModelConfig,
@@ -28,6 +27,7 @@ from blockd_client.reference import (
     Sample,
     TinyLlama,
 )
+from blockd_client import Client
 
 MODEL_CONFIG = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=16, ffn_dim=128, seed=0)
@@ -41,7 +41,8 @@ WHO = {"acme": "alice", "globex": "bob", "initech": "carol", "umbrella": "dave"}
 def start_daemon(workdir: Path, num_blocks: int, *, quota: int | None = None,
                  extra: dict[str, dict[str, Any]] | None = None) -> Daemon:
     """A daemon whose pool has the model's layout (fp32, block size 4). ``quota``: every
-    tenant's quota in blocks (default: the whole pool)."""
+    tenant's quota in blocks (default: the whole pool). Use it in a ``with`` block: leaving it
+    stops the daemon."""
     tenants = copy.deepcopy(TENANTS)
     for t in tenants["tenants"]:
         t["quota_blocks"] = num_blocks if quota is None else quota
@@ -116,6 +117,21 @@ def assert_matches_reference(model: TinyLlama, states: Iterable[RequestState],
                                    msg=lambda m, s=s: f"{s.request.request_id}[{s.index}]: {m}")
         n += got.shape[0]
     return n
+
+
+def assert_same_outputs(a: Sample, b: Sample) -> None:
+    """``b`` generated the tokens ``a`` did, with the same logits up to summation order
+    (``SAME_ATOL``): one request served in other company (batching, block placement, the
+    prefix cache off, preemption)."""
+    assert a.tokens == b.tokens, f"{a.request.request_id}[{a.index}]"
+    torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits), atol=SAME_ATOL,
+                               rtol=0, msg=lambda m: f"{a.request.request_id}[{a.index}]: {m}")
+
+
+def assert_same_runs(a: Iterable[RequestState], b: Iterable[RequestState]) -> None:
+    """Two runs of one workload: every sample pairwise as in ``assert_same_outputs``."""
+    for x, y in zip(samples(a), samples(b), strict=True):
+        assert_same_outputs(x, y)
 
 
 def run_together(engines: list[Engine], on_step: Callable[[], None] | None = None) -> None:

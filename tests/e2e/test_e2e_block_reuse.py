@@ -18,16 +18,15 @@ import random
 from typing import Any
 
 import pytest
-import torch
 from e2e_support import (
-    SAME_ATOL,
     assert_matches_reference,
+    assert_same_outputs,
     run_engine,
     samples,
     start_daemon,
 )
 
-from blockd_client.reference import Engine, Request
+from blockd_apps.reference import Engine, Request
 
 POOL_BLOCKS = 16
 rng = random.Random(3)
@@ -56,9 +55,8 @@ CROWDS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, model: Any) -> dict[str, Any]:
-    d = start_daemon(tmp_path_factory.mktemp("reuse"), POOL_BLOCKS)
     out = {}
-    try:
+    with start_daemon(tmp_path_factory.mktemp("reuse"), POOL_BLOCKS) as d:
         for name, crowd in CROWDS.items():
             timeline: list[dict[str, set[int]]] = []  # per step: request id -> blocks held
 
@@ -69,8 +67,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory, model: Any) -> dict[str, Any]
             _, states, _ = run_engine(d, "acme", model, [PROBE, *crowd], on_step=record)
             probe = next(s for s in samples(states) if s.request is PROBE)
             out[name] = {"states": states, "probe": probe, "timeline": timeline}
-    finally:
-        d.stop()
     return out
 
 
@@ -90,9 +86,6 @@ def test_the_probes_logits_do_not_change_with_the_crowd(runs: dict[str, Any],
                                                         model: Any) -> None:
     alone = runs["alone"]["probe"]
     for name in ("crowd", "other crowd"):
-        probe = runs[name]["probe"]
-        assert probe.tokens == alone.tokens, name
-        torch.testing.assert_close(torch.stack(probe.logits), torch.stack(alone.logits),
-                                   atol=SAME_ATOL, rtol=0)
+        assert_same_outputs(alone, runs[name]["probe"])
     for r in runs.values():
         assert_matches_reference(model, r["states"])  # the fillers too

@@ -21,7 +21,7 @@ from e2e_support import (
     start_daemon,
 )
 
-from blockd_client.reference import TinyLlama
+from blockd_apps.reference import TinyLlama
 
 pytestmark = pytest.mark.gpu
 
@@ -39,12 +39,9 @@ def cuda_reason() -> str | None:
 def test_triton_kernels_on_the_cuda_pool_match_the_reference(num_blocks: int,
                                                              tmp_path: Path) -> None:
     model = TinyLlama(MODEL_CONFIG, device="cuda")
-    d = start_daemon(tmp_path, num_blocks, extra={"pool": {"backend": "cuda"}})
-    try:
+    with start_daemon(tmp_path, num_blocks, extra={"pool": {"backend": "cuda"}}) as d:
         e, states, stats = run_engine(d, "acme", model, shared_prompt_workload(),
                                       max_prefill_tokens=8)
-    finally:
-        d.stop()
     assert e.kv_caches[0][0].is_cuda
     assert_matches_reference(model, states)
     assert e.stats.hit_tokens > 0 and stats.cow_copies_total > 0

@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from e2e_support import (
-    SAME_ATOL,
     assert_matches_reference,
+    assert_same_runs,
     run_engine,
-    samples,
     shared_prompt_workload,
     start_daemon,
 )
@@ -36,33 +34,25 @@ def timed_run(d: Any, model: Any, requests: list[Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory: pytest.TempPathFactory, model: Any) -> dict[str, Any]:
-    d = start_daemon(tmp_path_factory.mktemp("cache-on"), 128)
-    try:
+    with start_daemon(tmp_path_factory.mktemp("cache-on"), 128) as d:
         return timed_run(d, model, shared_prompt_workload())
-    finally:
-        d.stop()
 
 
 @pytest.mark.parametrize("how", ["per request", "daemon config"])
 def test_disabling_the_prefix_cache_changes_nothing_but_the_work(
         how: str, cached: dict[str, Any], model: Any, tmp_path: Path) -> None:
+    extra: dict[str, dict[str, Any]] = {}
     if how == "per request":
-        d = start_daemon(tmp_path, 128)
         requests = [dataclasses.replace(r, cache=False) for r in shared_prompt_workload()]
     else:
-        d = start_daemon(tmp_path, 128, extra={"cache": {"enable_prefix_cache": False}})
+        extra = {"cache": {"enable_prefix_cache": False}}
         requests = shared_prompt_workload()
-    try:
+    with start_daemon(tmp_path, 128, extra=extra) as d:
         off = timed_run(d, model, requests)
-    finally:
-        d.stop()
     on_stats, off_stats = cached["engine"].stats, off["engine"].stats
     print(f"\n{how}: cache on {cached['seconds']:.2f} s, {on_stats.prefill_tokens} prompt "
           f"tokens computed; off {off['seconds']:.2f} s, {off_stats.prefill_tokens}")
-    for a, b in zip(samples(cached["states"]), samples(off["states"]), strict=True):
-        assert a.tokens == b.tokens, a.request.request_id
-        torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits),
-                                   atol=SAME_ATOL, rtol=0)
+    assert_same_runs(cached["states"], off["states"])
     assert_matches_reference(model, off["states"])
     # Only slower: no hit, so every prompt token of every admission is computed.
     assert on_stats.hit_tokens > 0 and cached["stats"].prefix_hit_tokens_total > 0

@@ -13,28 +13,24 @@ import random
 from typing import Any
 
 import pytest
-import torch
 from e2e_support import (
-    SAME_ATOL,
     assert_matches_reference,
+    assert_same_runs,
     run_engine,
     samples,
     shared_prompt_workload,
     start_daemon,
 )
 
-from blockd_client.reference import Request
+from blockd_apps.reference import Request
 
 PREFILL_CHUNK = 8
 
 
 def run_workload(workdir: Any, model: Any, num_blocks: int) -> dict[str, Any]:
-    d = start_daemon(workdir, num_blocks)
-    try:
+    with start_daemon(workdir, num_blocks) as d:
         e, states, stats = run_engine(d, "acme", model, shared_prompt_workload(),
                                       max_prefill_tokens=PREFILL_CHUNK)
-    finally:
-        d.stop()
     return {"engine": e, "states": states, "stats": stats}
 
 
@@ -71,10 +67,7 @@ def test_preemption_and_readmission_change_no_logit(tmp_path: Any, model: Any,
     # Re-admission recomputes little: the preempted sequence's committed blocks are hits.
     assert any(s.cached_tokens[-1] > 0 for s in readmitted)
     # Same tokens and (within summation-order noise) the same logits as with room to spare.
-    for a, b in zip(samples(roomy["states"]), samples(states), strict=True):
-        assert a.tokens == b.tokens
-        torch.testing.assert_close(torch.stack(b.logits), torch.stack(a.logits),
-                                   atol=SAME_ATOL, rtol=0)
+    assert_same_runs(roomy["states"], states)
 
 
 def test_a_prompt_is_shared_only_once_all_its_chunks_are_written(tmp_path: Any,
@@ -89,11 +82,8 @@ def test_a_prompt_is_shared_only_once_all_its_chunks_are_written(tmp_path: Any,
         return Request(shared + [rng.randrange(1, 256) for _ in range(3)], max_new_tokens=3,
                        request_id=f"r{i}", arrival=arrival)
 
-    d = start_daemon(tmp_path, 64)
-    try:
+    with start_daemon(tmp_path, 64) as d:
         _, states, _ = run_engine(d, "acme", model, [req(0, 1), req(1, 3), req(2, 14)],
                                   max_prefill_tokens=PREFILL_CHUNK)
-    finally:
-        d.stop()
     assert_matches_reference(model, states)
     assert [s.cached_tokens for s in samples(states)] == [[0], [0], [40]]

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from e2e_support import (
     BLOCK_SIZE,
-    SAME_ATOL,
     assert_matches_reference,
+    assert_same_outputs,
     client,
     engine,
     run_together,
@@ -26,7 +25,7 @@ from e2e_support import (
     start_daemon,
 )
 
-from blockd_client.reference import Engine, Request
+from blockd_apps.reference import Engine, Request
 
 rng = random.Random(4)
 PROMPT = [rng.randrange(1, 256) for _ in range(18)]  # 4 full blocks + 2 tokens
@@ -42,21 +41,18 @@ def held(e: Engine) -> set[int]:
                          ids=["private", "group"])
 def test_the_sharing_domain_decides_what_two_tenants_share(
         tenants: tuple[str, str], shared: bool, model: Any, tmp_path: Path) -> None:
-    d = start_daemon(tmp_path, 96, quota=40)
     overlaps: list[set[int]] = []
-    try:
-        with client(d, tenants[0]) as ca, client(d, tenants[1]) as cb:
-            a = engine(ca, tenants[0], model)
-            b = engine(cb, tenants[1], model)
-            # b arrives once a's prompt blocks are committed (a: admit + prefill at step 1,
-            # commit at step 2), and both are still running afterwards.
-            ra = a.submit(Request(PROMPT, max_new_tokens=8, request_id="a", arrival=1))
-            rb = b.submit(Request(PROMPT, max_new_tokens=8, request_id="b", arrival=4))
-            run_together([a, b], on_step=lambda: overlaps.append(held(a) & held(b)))
-            a.close()
-            b.close()
-    finally:
-        d.stop()
+    with (start_daemon(tmp_path, 96, quota=40) as d,
+          client(d, tenants[0]) as ca, client(d, tenants[1]) as cb):
+        a = engine(ca, tenants[0], model)
+        b = engine(cb, tenants[1], model)
+        # b arrives once a's prompt blocks are committed (a: admit + prefill at step 1,
+        # commit at step 2), and both are still running afterwards.
+        ra = a.submit(Request(PROMPT, max_new_tokens=8, request_id="a", arrival=1))
+        rb = b.submit(Request(PROMPT, max_new_tokens=8, request_id="b", arrival=4))
+        run_together([a, b], on_step=lambda: overlaps.append(held(a) & held(b)))
+        a.close()
+        b.close()
     sa, sb = samples([ra])[0], samples([rb])[0]
     assert sa.cached_tokens == [0]
     if shared:
@@ -65,7 +61,5 @@ def test_the_sharing_domain_decides_what_two_tenants_share(
     else:
         assert sb.cached_tokens == [0]
         assert not any(overlaps)
-    assert sa.tokens == sb.tokens
-    torch.testing.assert_close(torch.stack(sb.logits), torch.stack(sa.logits),
-                               atol=SAME_ATOL, rtol=0)
+    assert_same_outputs(sa, sb)
     assert_matches_reference(model, [ra, rb])

@@ -62,7 +62,7 @@ from strategies import (
 )
 
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd.launch import spawn
+from blockd_apps.launch import spawn
 
 S = grpc.StatusCode
 SESSION_RPCS = {"Detach", "Heartbeat", "Step", "StepStream", "Lookup", "GetBlockTable",
@@ -86,10 +86,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     extra = {**DAEMON_EXTRA, "state": {"dir": str(workdir / "state"),
                                        "snapshot_min_bytes": 256 * 1024}}
     d = start(workdir, num_blocks=NUM_BLOCKS, extra=extra)
-    w = World(d)
-    yield w
-    w.channel.close()
-    d.stop()
+    try:
+        w = World(d)
+    except BaseException:
+        d.stop()
+        raise
+    try:
+        yield w
+    finally:
+        w.channel.close()
+        # The daemon serving now, not ``d``: the last test kills ``d`` and starts a new one.
+        w.d.stop()
 
 
 # -- one request, every check ----------------------------------------------------------------

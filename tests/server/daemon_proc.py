@@ -1,4 +1,9 @@
-"""Start a real blockd daemon in a subprocess and talk to it over its real sockets."""
+"""Start a real blockd daemon in a subprocess and talk to it over its real sockets.
+
+``start`` goes through the application's launcher (``blockd_apps.launch``), the one place tests
+start daemons from. A ``Daemon`` is a context manager: leaving the block stops it (the suite
+fails if a daemon outlives the session, see tests/conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,8 @@ import yaml
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.launch import spawn, terminate
-from blockd.server.tenants_file import token_hash
+from blockd.runtime.tenants_file import token_hash
+from blockd_apps.launch import spawn, terminate
 
 TOKENS = {"alice": "tok-alice", "bob": "tok-bob", "carol": "tok-carol", "dave": "tok-dave",
           "admin": "tok-admin", "multi": "tok-multi"}
@@ -88,6 +93,12 @@ class Daemon:
         for ch in self.channels:
             ch.close()
         return terminate(self.proc)
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def log_text(self) -> str:
         return "".join(self.lines)

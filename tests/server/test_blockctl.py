@@ -8,7 +8,7 @@ from daemon_proc import TOKENS, Worker, append, commit
 
 
 def ctl(daemon, *args: str, token: str = "admin", check: bool = True):  # type: ignore[no-untyped-def]
-    cmd = [sys.executable, "-m", "blockd.ctl", "--target", f"unix:{daemon.endpoints['unix']}",
+    cmd = [sys.executable, "-m", "blockd_apps.ctl", "--target", f"unix:{daemon.endpoints['unix']}",
            "--token", TOKENS[token], *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=check)
 

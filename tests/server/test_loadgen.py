@@ -19,7 +19,7 @@ def test_load_generator_runs_clean_under_pool_pressure(tmp_path) -> None:  # typ
                   "dtype": pb.KV_DTYPE_FLOAT16, "kv_order": pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM,
                   "tp_size": 1}
         out = subprocess.run(
-            [sys.executable, "-m", "blockd", "load", "--target", f"unix:{d.endpoints['unix']}",
+            [sys.executable, "-m", "blockd_apps", "load", "--target", f"unix:{d.endpoints['unix']}",
              "--token", TOKENS["carol"], "--tenant", "initech", "--workers", "2", "--seqs",
              "16", "--duration", "3", "--layout", json.dumps(layout), "--json",
              "--metrics", d.metrics_url],

@@ -1,8 +1,8 @@
 """``blockd demo``: a real transformer served through an embedded daemon, measured.
 
-It starts a daemon (``python -m blockd serve``, a temporary config, its Unix sockets in a
+It starts a daemon (``blockd serve`` through ``launch``, a temporary config, its Unix sockets in a
 temporary directory, no TCP, no metrics port), attaches the reference worker
-(``blockd_client.reference``: a tiny Llama-style decoder with seeded random weights), runs a
+(``blockd_apps.reference``: a tiny Llama-style decoder with seeded random weights), runs a
 workload of requests sharing a few system prompts with continuous batching, and then:
 
 - prints a summary: requests, tokens, prefix hit rate, blocks saved by sharing, KV memory waste
@@ -41,9 +41,10 @@ from typing import Any
 
 import yaml
 
-from blockd.launch import spawn
+from blockd_apps.launch import spawn
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "bench" / "results" / "demo.png"
+#: In a checkout: the repository's bench/results (apps/blockd_apps/demo.py -> the root).
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "bench" / "results" / "demo.png"
 
 
 # -- the embedded daemon ----------------------------------------------------------------------
@@ -51,7 +52,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "bench" / "results" / "de
 
 @contextmanager
 def embedded_daemon(pool: dict[str, Any], *, ready_timeout: float = 60.0) -> Iterator[str]:
-    """Run ``python -m blockd serve`` on a temporary config; yields its ``unix:`` target.
+    """Run ``blockd serve`` on a temporary config; yields its ``unix:`` target.
 
     No tenants file: the daemon's single ``default`` tenant, acting for anonymous callers (the
     laptop default), quota = the whole pool.
@@ -92,7 +93,7 @@ class WorkloadShape:
 
 def make_workload(shape: WorkloadShape, vocab: int) -> list[Any]:
     """Requests on a few shared system prompts (Zipf-like popularity) + unique user turns."""
-    from blockd_client.reference import Request
+    from blockd_apps.reference import Request
 
     rng = random.Random(shape.seed)
     systems = [[rng.randrange(vocab) for _ in range(rng.randint(*shape.system_len))]
@@ -293,8 +294,8 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print("blockd demo needs torch (pip install 'blockd[gpu]')", file=sys.stderr)
         return 2
+    from blockd_apps.reference import Engine, EngineConfig, ModelConfig, TinyLlama
     from blockd_client import Client
-    from blockd_client.reference import Engine, EngineConfig, ModelConfig, TinyLlama
 
     if args.device == "cpu":
         # The tiny model's matmuls are too small to split across threads, and the daemon

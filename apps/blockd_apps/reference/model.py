@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from blockd_client.reference.batch import StepBatch
+from blockd_apps.reference.batch import StepBatch
 from blockd_gpu import (
     KvLayout,
     paged_decode_attention,

@@ -1,8 +1,8 @@
 """Start ``blockd serve`` as a subprocess and wait until it serves.
 
-Used by the demo, the benchmarks and the tests: the daemon prints one machine-readable line,
-``BLOCKD_READY {"unix": ..., "tcp": ..., "metrics": ...}``, once every endpoint is bound (ports
-chosen by the kernel included).
+Used by the demo, the benchmarks and the tests (the one place they start daemons from): the
+daemon prints one machine-readable line, ``BLOCKD_READY {"unix": ..., "tcp": ..., "metrics":
+...}``, once every endpoint is bound (ports chosen by the kernel included).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import time
 from collections.abc import MutableSequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+#: The argv prefix of a daemon this module starts: this interpreter, the ``blockd`` command.
+DAEMON_COMMAND = (sys.executable, "-m", "blockd_apps", "serve")
 
 
 @dataclass
@@ -45,12 +48,12 @@ def terminate(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
 
 def spawn(config: Path, cwd: Path, *, ready_timeout: float = 30.0,
           lines: MutableSequence[str] | None = None) -> Launched:
-    """``python -m blockd serve --config CONFIG``; returns once it printed BLOCKD_READY.
+    """``python -m blockd_apps serve --config CONFIG``; returns once it printed BLOCKD_READY.
 
     ``BLOCKD_*`` variables of this process are not passed on: they would override the file.
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKD_")}
-    proc = subprocess.Popen([sys.executable, "-m", "blockd", "serve", "--config", str(config)],
+    proc = subprocess.Popen([*DAEMON_COMMAND, "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=cwd, env=env)
     out: MutableSequence[str] = [] if lines is None else lines

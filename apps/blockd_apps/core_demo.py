@@ -16,7 +16,7 @@ def run(say: Callable[[str], None] = print) -> BlockManager:
     spec = PoolSpec(block_size=4, num_blocks=12)
     m = BlockManager(spec, [TenantPolicy("demo", quota_blocks=12)])
     scope = PrefixScope("tiny-llama", model_revision="r1")
-    s = m.open_session("demo").id
+    s = m.open_session("demo")
     system = [101, 102, 103, 104, 105, 106, 107, 108]
 
     say(f"pool: {spec.num_blocks} blocks of {spec.block_size} tokens; states {m.state_counts()}")
@@ -31,7 +31,7 @@ def run(say: Callable[[str], None] = print) -> BlockManager:
     b = m.admit(s, scope, system + [4, 5])
     say(f"admit B (same system prompt): table {b.block_table}, cached tokens "
         f"{b.num_cached_tokens} (blocks {b.block_table[:2]} now have refcount "
-        f"{m.alloc.ref[b.block_table[0]]})")
+        f"{m.block_info([b.block_table[0]])[0].ref_count})")
     (c,) = m.fork(s, b.seq_id)
     out = m.append(s, c, [6], fence=2)
     say(f"fork B -> C, append to C: copy-on-write {out.copy}, C's table "
