@@ -49,7 +49,7 @@ def replay(trace: list[Request], engine: str, block_size: int, num_blocks: int,
     if engine == "blockd":
         m = BlockManager(PoolSpec(block_size=block_size, num_blocks=num_blocks),
                          [TenantPolicy("bench", quota_blocks=num_blocks)], seed=7)
-        session = m.open_session("bench").id
+        session = m.open_session("bench")
     else:
         m = NaiveBlockManager(block_size, num_blocks)
         session = "bench"
@@ -118,7 +118,7 @@ def replay(trace: list[Request], engine: str, block_size: int, num_blocks: int,
             released += m.release(session, seq_id, fence)
             finished[i] = True
         if steps % 16 == 0:
-            free_series.append(m.alloc.num_free if engine == "blockd" else m.num_free)
+            free_series.append(m.blocks.num_free if engine == "blockd" else m.num_free)
             c = m.counters
             hit_series.append(c.hit_tokens / c.queried_tokens if c.queried_tokens else 0.0)
     elapsed = time.perf_counter() - t0
@@ -146,7 +146,7 @@ def time_lookup(block_size: int, prompt_len: int = 1500, repeats: int = 2000
 
     m = BlockManager(PoolSpec(block_size=block_size, num_blocks=4096),
                      [TenantPolicy("bench", quota_blocks=4096)], seed=11)
-    s = m.open_session("bench").id
+    s = m.open_session("bench")
     rng = random.Random(5)
     tokens = [rng.randrange(128_000) for _ in range(prompt_len)]
     raw = array("I", tokens).tobytes()
@@ -185,7 +185,7 @@ def metadata_bytes(block_size: int, num_blocks: int = 200_000) -> dict[str, floa
     m = BlockManager(PoolSpec(block_size=block_size, num_blocks=num_blocks),
                      [TenantPolicy("bench", quota_blocks=num_blocks)], seed=3)
     fresh, _ = tracemalloc.get_traced_memory()
-    s = m.open_session("bench").id
+    s = m.open_session("bench")
     for p in prompts:
         r = m.admit(s, SCOPE, p, cache=False)
         seqs.append(r.seq_id)

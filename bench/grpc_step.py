@@ -1,6 +1,7 @@
 """Step latency of a real blockd daemon over its Unix socket, next to the transport itself.
 
-What is measured, all in one run against one daemon subprocess (``python -m blockd serve``):
+What is measured, all in one run against one daemon subprocess (``blockd serve``, started by
+``blockd_apps.launch``):
 
 * Round-trip latency (p50/p99, microseconds) of a decode Step appending one token to each of 1,
   64 or 256 sequences, encoded either as that many AppendOps (``append_ops``) or as one packed
@@ -62,8 +63,8 @@ import yaml
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.launch import spawn, terminate
-from blockd.server.tenants_file import token_hash
+from blockd.runtime.tenants_file import token_hash
+from blockd_apps.launch import spawn, terminate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-token"

@@ -45,7 +45,7 @@ from blockd.core.manager import BlockManager  # noqa: E402
 from blockd.core.namespace import PrefixScope  # noqa: E402
 from blockd.core.spec import PoolSpec  # noqa: E402
 from blockd.core.tenants import TenantPolicy  # noqa: E402
-from blockd.launch import spawn  # noqa: E402
+from blockd_apps.launch import spawn  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 64, 256)
@@ -145,7 +145,6 @@ def bench_snapshot(num_blocks: int, num_seqs: int, blocks_per_seq: int) -> dict[
         res = m.admit("s", scope, prompt + [1])
         assert not hasattr(res, "reason"), res
         m.commit("s", res.seq_id)  # type: ignore[union-attr]
-    m.minted = []
     dumps, loads, size = [], [], 0
     for _ in range(3):
         t0 = time.perf_counter()
@@ -155,7 +154,7 @@ def bench_snapshot(num_blocks: int, num_seqs: int, blocks_per_seq: int) -> dict[
         t0 = time.perf_counter()
         snapshot.load(data)
         loads.append(time.perf_counter() - t0)
-    used = num_blocks - m.alloc.num_free
+    used = num_blocks - m.blocks.num_free
     return {"num_blocks": num_blocks, "blocks_in_use": used, "indexed_blocks": len(m.index),
             "sequences": len(m.sequences), "dump_s": statistics.median(dumps),
             "load_s": statistics.median(loads), "bytes": size,

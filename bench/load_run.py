@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 import yaml
 
-from blockd import loadgen
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.launch import spawn, terminate
-from blockd.server.tenants_file import token_hash
+from blockd.runtime.tenants_file import token_hash
+from blockd_apps import loadgen
+from blockd_apps.launch import spawn, terminate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "load-token"

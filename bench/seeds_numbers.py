@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace import Request, make_trace  # noqa: E402
 
 from blockd.core import BlockManager, PoolSpec, PrefixScope, TenantPolicy  # noqa: E402
-from blockd.core.allocator import COMMITTED, WRITING  # noqa: E402
+from blockd.core.blocks import COMMITTED, WRITING  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCOPE = PrefixScope("seed-model", model_revision="r1", tokenizer_digest=b"tok")
@@ -103,14 +103,14 @@ def replay(trace: list[Request], block_size: int, *, cache: bool = True, max_run
     num_blocks = max_running * math.ceil(longest / block_size) + 64
     m = BlockManager(PoolSpec(block_size=block_size, num_blocks=num_blocks),
                      [TenantPolicy("bench", quota_blocks=num_blocks)], seed=7)
-    session = m.open_session("bench").id
+    session = m.open_session("bench")
     usage = Usage(block_size, longest=longest)
     waiting: deque[int] = deque()
     # seq id -> [request index, tokens held, admission step]
     running: dict[str, list[int]] = {}
     finished = [False] * len(trace)
     next_arrival = step = 0
-    state = m.alloc.state
+    state = m.blocks.state
     while next_arrival < len(trace) or waiting or running:
         step += 1
         # Each step announces its fence; the previous step's kernels are done.

@@ -2,7 +2,7 @@
 
 Each input is one selector byte and a serialized request: ``AttachRequest``, ``LookupRequest``
 or ``StepRequest``. Bytes that do not parse are dropped (grpc answers those before any daemon
-code runs; see docs/fuzzing.md). The parsed request goes through ``blockd.server.convert``
+code runs; see docs/fuzzing.md). The parsed request goes through ``blockd.runtime.convert``
 (``check_id``, ``scope``, ``spec_from_layout``) and, like the servicer does, through an
 in-process ``BlockManager``: Step operations are dispatched one by one with the servicer's
 rules (per-operation errors, limits), Lookup is a pure read, Attach opens a session.
@@ -59,7 +59,7 @@ def load() -> None:
 
     from blockd.api.v1 import blockd_pb2
     from blockd.core import errors, manager, spec, tenants
-    from blockd.server import convert as conv
+    from blockd.runtime import convert as conv
 
     pb, convert = blockd_pb2, conv
     core = types.SimpleNamespace(errors=errors, manager=manager, spec=spec, tenants=tenants)
@@ -87,7 +87,7 @@ class Harness:
                            scrub_on_reuse=False),
         ]
         self.m = core.manager.BlockManager(self.spec, policies, seed=0)
-        self.sessions = [self.m.open_session(x).id for x in ("acme", "acme", "globex",
+        self.sessions = [self.m.open_session(x) for x in ("acme", "acme", "globex",
                                                               "initech", "umbrella")]
         self.released: list[str] = []
 
@@ -110,7 +110,7 @@ class Harness:
 
     def snapshot(self, deep: bool = False) -> tuple[Any, ...]:
         m = self.m
-        a = m.alloc
+        a = m.blocks
         c = m.counters
         base = (tuple(a.count_states()), tuple(a.usage), tuple(a.cached), a.num_free,
                 len(m.sequences), len(m.sessions), len(m.namespaces), len(m.index.map),
@@ -153,7 +153,7 @@ class Harness:
                 raise core.errors.FailedPrecondition("layout mismatch", field="layout")
             assert convert.spec_from_layout(convert.layout_of(wanted), NUM_BLOCKS) == wanted
             if len(self.sessions) < 16:
-                self.sessions.append(self.m.open_session(req.tenant_id).id)
+                self.sessions.append(self.m.open_session(req.tenant_id))
 
         self.guarded(run)
 

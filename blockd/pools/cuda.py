@@ -362,12 +362,6 @@ class CudaPool:
                             device_uuids=tuple(self.device_uuids))
         return header, [*self.fds, fence_fd]
 
-    def header(self) -> dict[str, object]:
-        """The cuda-only header keys (JSON-able). TO BE REMOVED: the daemon's ``handle_for``
-        is to call ``handle`` instead."""
-        return {"backend": self.backend, "devices": list(self.devices), "shard_bytes": self.size,
-                "granularity": self.granularity, "device_uuids": list(self.device_uuids)}
-
     # -- teardown -------------------------------------------------------------------------------
 
     def _check_open(self) -> None:

@@ -16,9 +16,6 @@ import os
 
 from blockd.wire import FENCE_PAGE_BYTES, read_fence
 
-#: TO BE REMOVED: the old name of ``blockd.wire.FENCE_PAGE_BYTES`` (the daemon still imports it).
-PAGE_BYTES = FENCE_PAGE_BYTES
-
 
 class FencePage:
     """The daemon's side of one session's fence page."""

@@ -15,20 +15,15 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from blockd import wire
 
 log = logging.getLogger("blockd.handles")
-#: TO BE REMOVED: the old name of ``blockd.wire.MAX_REQUEST_BYTES``.
-MAX_REQUEST = wire.MAX_REQUEST_BYTES
-
-#: session_id -> (header, [fds]) or None when the session is unknown. ``Pool.handle`` makes the
-#: pair; a plain mapping (the daemon's older ``handle_for``) is checked through
-#: ``wire.HandleHeader`` before it is sent.
-Lookup = Callable[[str], "tuple[wire.HandleHeader | Mapping[str, Any], list[int]] | None"]
+#: session_id -> (header, [fds]) or None when the session is unknown (``Pool.handle`` makes the
+#: pair).
+Lookup = Callable[[str], "tuple[wire.HandleHeader, list[int]] | None"]
 
 
 class HandleServer:
@@ -81,8 +76,6 @@ class HandleServer:
             return
         header, fds = found
         try:
-            if not isinstance(header, wire.HandleHeader):
-                header = wire.HandleHeader.from_json(header)
             header.split_fds(fds)  # the documented count and order
         except wire.WireError as exc:  # the daemon's own bug: say so rather than hang up
             log.error("pool handle header refused by the wire contract: %s", exc)

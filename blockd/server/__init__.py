@@ -1,1 +1,1 @@
-"""The gRPC daemon: converts protobuf to core calls and core errors to status codes."""
+"""The gRPC transport of the daemon: authenticate, one ``blockd.runtime`` call, convert."""

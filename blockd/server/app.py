@@ -1,4 +1,9 @@
-"""Run the daemon: gRPC on a Unix socket and TCP, health, reflection, metrics, signals."""
+"""Serve the daemon: gRPC on a Unix socket and TCP, health, reflection, metrics, signals.
+
+The daemon's state is ``blockd.runtime``'s; this module wires it to the transports (gRPC, the
+handle socket, the metrics HTTP endpoint, the ZMQ KV-event publisher) and runs the periodic
+tasks (lease reaping, fence-page polling, the invariant checker) and the drain on SIGTERM.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,21 @@ import json
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from blockd import wire
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.config import Config
+from blockd.core.errors import Internal
 from blockd.pools.handles import HandleServer
-from blockd.server.daemon import Daemon
-from blockd.server.kv_events import KvEventPublisher, medium_for
+from blockd.runtime import daemon as runtime
+from blockd.runtime.kv_events import KvEventPublisher
 from blockd.server.metrics import Metrics, serve_http
 from blockd.server.servicer import BlockdServicer
 
@@ -35,30 +43,25 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _start_daemon(cfg: Config) -> tuple[Daemon, Metrics, BlockdServicer]:
-    """The daemon, recovered from ``state.dir`` when there is state to recover.
-
-    If replaying the state fails (a bug, or a journal damaged in a way its checksums cannot
-    see), the snapshot and journal are moved aside for a post-mortem and the daemon starts a
-    new epoch, which workers detect: a crash loop would keep every worker waiting instead.
-    """
-    for attempt in (1, 2):
-        daemon = Daemon(cfg)
-        metrics = Metrics()
-        metrics.bind(daemon)
-        servicer = BlockdServicer(daemon, metrics)
+async def every(interval_ms: float, fn: Callable[[], object], what: str) -> None:
+    """Call ``fn`` every ``interval_ms`` until cancelled; a failure is logged, never fatal."""
+    while True:
+        await asyncio.sleep(interval_ms / 1000)
         try:
-            daemon.recover(servicer.apply_step)
-            return daemon, metrics, servicer
+            fn()
         except Exception:
-            store = daemon.store
-            daemon.close()
-            if attempt == 2 or store is None:
-                raise
-            kept = store.quarantine()
-            log.exception("recovering from %s failed: starting a new epoch (the snapshot and "
-                          "journal are kept in %s)", store.dir, kept)
-    raise AssertionError("unreachable")
+            log.exception("%s failed", what)
+
+
+def check_invariants(daemon: runtime.Daemon, metrics: Metrics) -> None:
+    """One periodic invariant check: a violation (the core's ``Internal``, raised under
+    ``python -O`` too) is counted and logged, and the daemon keeps serving."""
+    metrics.invariant_checks += 1
+    try:
+        daemon.check_invariants()
+    except Internal as exc:
+        metrics.invariant_violations += 1
+        log.error("invariant violated: %s", exc)
 
 
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
@@ -67,14 +70,17 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     if cfg.events.zmq_endpoint:
         # Bound first, so a taken port fails the start before the pool exists.
         publisher = KvEventPublisher(cfg.events, block_size=cfg.pool.block_size,
-                                     medium=medium_for(cfg.pool.backend))
+                                     medium=wire.medium_of(cfg.pool.backend))
         publisher.start()
     try:
-        daemon, metrics, servicer = _start_daemon(cfg)
+        daemon = runtime.start(cfg)
     except BaseException:
         if publisher is not None:
             publisher.stop()
         raise
+    metrics = Metrics()
+    metrics.bind(daemon)
+    servicer = BlockdServicer(daemon, metrics)
     if publisher is not None:
         daemon.events.add_listener(publisher.submit)
     sc = cfg.server
@@ -143,39 +149,14 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
 
     loop.add_signal_handler(signal.SIGHUP, reload)
 
-    async def reaper() -> None:
-        interval = cfg.lease.reap_interval_ms / 1000
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                daemon.reap()
-            except Exception:
-                log.exception("reaping expired sessions failed")
-
-    async def fence_poller() -> None:
-        interval = cfg.pool.fence_poll_ms / 1000
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                daemon.poll_fences()
-            except Exception:
-                log.exception("polling fence pages failed")
-
-    async def invariant_checker() -> None:
-        interval = sc.invariant_check_interval_ms / 1000
-        while True:
-            await asyncio.sleep(interval)
-            metrics.invariant_checks += 1
-            try:
-                daemon.manager.check_invariants()
-            except AssertionError as exc:
-                metrics.invariant_violations += 1
-                log.error("invariant violated: %s", exc)
-
-    reap_task = asyncio.create_task(reaper())
-    poll_task = asyncio.create_task(fence_poller())
-    check_task = (asyncio.create_task(invariant_checker())
-                  if sc.invariant_check_interval_ms > 0 else None)
+    tasks = [asyncio.create_task(every(cfg.lease.reap_interval_ms, daemon.reap,
+                                       "reaping expired sessions")),
+             asyncio.create_task(every(cfg.pool.fence_poll_ms, daemon.poll_fences,
+                                       "polling fence pages"))]
+    if sc.invariant_check_interval_ms > 0:
+        tasks.append(asyncio.create_task(every(sc.invariant_check_interval_ms,
+                                               lambda: check_invariants(daemon, metrics),
+                                               "checking invariants")))
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -190,10 +171,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     while daemon.sessions and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(1.0)
-    reap_task.cancel()
-    poll_task.cancel()
-    if check_task is not None:
-        check_task.cancel()
+    for task in tasks:
+        task.cancel()
     if publisher is not None:
         daemon.events.remove_listener(publisher.submit)
         await asyncio.to_thread(publisher.stop)  # flushes the last batch; off the event loop

@@ -6,8 +6,10 @@ tenant label only for configured tenants). The prefix-cache hit rate, the vLLM c
     rate(blockd_prefix_cache_hit_tokens_total[5m])
       / rate(blockd_prefix_cache_queried_tokens_total[5m])
 
-Most values are read from the daemon at scrape time by a custom collector; since the HTTP server
-runs on the same event loop as the gRPC handlers, a scrape always sees a consistent state.
+Most values are read at scrape time by a custom collector, through the public queries of the
+runtime (``blockd.runtime.daemon.Daemon``) and the core (``BlockManager.state_counts``,
+``tenant_usage``...); since the HTTP server runs on the same event loop as the gRPC handlers, a
+scrape always sees a consistent state.
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
-from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 import blockd
 
 if TYPE_CHECKING:
-    from blockd.server.daemon import Daemon
+    from blockd.runtime.daemon import Daemon
 
 log = logging.getLogger("blockd.metrics")
 
@@ -35,15 +37,13 @@ STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 
 
 class Metrics:
-    """The registry plus the few metrics updated on the hot path."""
+    """The registry plus the few metrics the transport updates itself."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.step_seconds = Histogram("blockd_step_duration_seconds",
                                       "Time the daemon spent applying one Step.",
                                       buckets=STEP_BUCKETS, registry=self.registry)
-        #: Per-operation errors by status name (a bounded label set).
-        self.op_errors: Counter[str] = Counter()
         #: Periodic invariant checks (``server.invariant_check_interval_ms``) and failures.
         self.invariant_checks = 0
         self.invariant_violations = 0
@@ -60,7 +60,7 @@ class _DaemonCollector(Collector):
         self.d = daemon
         self.metrics = metrics
 
-    def collect(self) -> Iterator[object]:
+    def collect(self) -> Iterator[Metric]:
         d = self.d
         m = d.manager
         spec = d.spec
@@ -95,18 +95,17 @@ class _DaemonCollector(Collector):
         for reason in ("pool", "quota", "guarantee", "preempting"):
             fail.add_metric([reason], c.alloc_failures.get(reason, 0))
         yield fail
+        usage = m.tenant_usage()
         preempted = CounterMetricFamily(
             "blockd_preemptions",
             "Running sequences preempted for a higher-priority request, by the victim's tenant.",
             labels=["tenant"])
-        for slot, policy in enumerate(m.tenants.policies):
-            if m.tenants.active[slot]:
-                preempted.add_metric([policy.tenant_id],
-                                     c.preemptions.get(policy.tenant_id, 0))
+        for u in usage:
+            preempted.add_metric([u.tenant_id], u.preemptions)
         yield preempted
         errs = CounterMetricFamily("blockd_operation_errors",
                                    "Step operations that failed, by status.", labels=["code"])
-        for code, n in sorted(self.metrics.op_errors.items()):
+        for code, n in sorted(d.op_errors.items()):
             errs.add_metric([code], n)
         yield errs
         yield CounterMetricFamily("blockd_invariant_checks",
@@ -115,12 +114,13 @@ class _DaemonCollector(Collector):
         yield CounterMetricFamily("blockd_invariant_violations",
                                   "Periodic invariant checks that failed (see the log).",
                                   value=self.metrics.invariant_violations)
-        if d.store is not None:
+        r = d.recovery
+        if r.enabled:
             yield GaugeMetricFamily("blockd_journal_bytes",
                                     "Bytes journalled since the last snapshot.",
-                                    value=d.journal.size if d.journal is not None else 0)
+                                    value=r.journal_bytes)
             yield CounterMetricFamily("blockd_snapshots", "Snapshots written (compactions).",
-                                      value=d.snapshots)
+                                      value=r.snapshots)
             yield CounterMetricFamily(
                 "blockd_snapshot_uncached_sequences",
                 "Live sequences a snapshot found no committed token ids for (their prefix was "
@@ -128,20 +128,18 @@ class _DaemonCollector(Collector):
                 value=c.uncacheable_after_snapshot)
             yield GaugeMetricFamily("blockd_last_snapshot_seconds",
                                     "Time the last snapshot held the event loop.",
-                                    value=d.last_snapshot_seconds)
+                                    value=r.last_snapshot_seconds)
         yield GaugeMetricFamily("blockd_pending_blocks",
                                 "Blocks waiting for a fence before reuse.",
                                 value=counts["pending"])
         yield GaugeMetricFamily("blockd_oldest_pending_fence_age_seconds",
                                 "Age of the oldest fence that still holds blocks back.",
-                                value=d.oldest_pending_fence_age())
-        B = spec.block_size
-        waste = sum(len(s.table) * B - s.num_tokens for s in m.sequences.values())
+                                value=d.sessions.oldest_pending_fence_age())
         yield GaugeMetricFamily("blockd_tail_waste_tokens",
                                 "Unused token slots in the last blocks of live sequences.",
-                                value=waste)
+                                value=m.tail_waste_tokens())
         yield GaugeMetricFamily("blockd_sessions", "Attached sessions.", value=len(d.sessions))
-        yield GaugeMetricFamily("blockd_sequences", "Live sequences.", value=len(m.sequences))
+        yield GaugeMetricFamily("blockd_sequences", "Live sequences.", value=m.num_sequences)
         used_t = GaugeMetricFamily("blockd_tenant_used_blocks",
                                    "Blocks held by a tenant (live, pending and cached).",
                                    labels=["tenant"])
@@ -149,11 +147,10 @@ class _DaemonCollector(Collector):
                                      "Cached blocks owned by a tenant.", labels=["tenant"])
         quota_t = GaugeMetricFamily("blockd_tenant_quota_blocks", "A tenant's quota in blocks.",
                                     labels=["tenant"])
-        for slot, policy in enumerate(m.tenants.policies):
-            if m.tenants.active[slot]:
-                used_t.add_metric([policy.tenant_id], m.alloc.usage[slot])
-                cached_t.add_metric([policy.tenant_id], m.alloc.cached[slot])
-                quota_t.add_metric([policy.tenant_id], policy.quota_blocks)
+        for u in usage:
+            used_t.add_metric([u.tenant_id], u.used_blocks)
+            cached_t.add_metric([u.tenant_id], u.cached_blocks)
+            quota_t.add_metric([u.tenant_id], u.quota_blocks)
         yield used_t
         yield cached_t
         yield quota_t

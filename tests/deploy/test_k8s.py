@@ -27,9 +27,8 @@ from deploy_support import (
 )
 
 from blockd import config as blockd_config
-from blockd.server import tenants_file
+from blockd.runtime import tenants_file
 from blockd.server.app import SERVICE_NAME
-from blockd.server.daemon import pool_spec
 
 Docs = list[dict[str, Any]]
 
@@ -246,7 +245,7 @@ def test_configmap_is_a_complete_valid_blockd_config(rendered: dict[str, Docs], 
     assert set(raw) == set(want), f"sections: {sorted(set(raw) ^ set(want))}"
     for section, keys in want.items():
         assert set(raw[section]) == keys, f"{section}: {sorted(set(raw[section]) ^ keys)}"
-    pool_spec(cfg)  # the pool layout itself is valid
+    cfg.pool.spec()  # the pool layout itself is valid
     assert cfg.pool.backend == ("cuda" if name == "gpu" else "host")
     assert cfg.tenants.file and not cfg.tenants.allow_anonymous
 
@@ -343,7 +342,7 @@ def test_shm_and_memory_are_sized_for_the_pool(rendered: dict[str, Docs], name: 
                                                tmp_path: Path) -> None:
     spec = pod_spec(rendered[name])
     _, cfg = blockd_yaml(rendered[name], tmp_path)
-    pool_bytes = pool_spec(cfg).pool_bytes * cfg.pool.tp_size
+    pool_bytes = cfg.pool.spec().pool_bytes * cfg.pool.tp_size
     volumes = {v["name"]: v for v in spec["volumes"]}
     shm = volumes["dshm"]["emptyDir"]
     assert shm["medium"] == "Memory"
@@ -448,7 +447,7 @@ def test_rendered_config_and_tenants_boot_a_real_daemon(rendered: dict[str, Docs
         "BLOCKD_TENANTS_FILE": str(tenants),
         "BLOCKD_POOL_NUM_BLOCKS": "64",
     })
-    proc = subprocess.Popen([sys.executable, "-m", "blockd", "serve", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "blockd_apps", "serve", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=tmp_path)
     try:

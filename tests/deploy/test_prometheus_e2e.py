@@ -21,7 +21,7 @@ from deploy_support import APT_HINT, DEPLOY, dashboard_queries, http_get, requir
 from promql_names import substitute_grafana
 
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd.launch import terminate
+from blockd_apps.launch import terminate
 
 HIT = "blockd_prefix_cache_hit_tokens_total"
 QUERIED = "blockd_prefix_cache_queried_tokens_total"

@@ -12,6 +12,7 @@ K/V bytes are unchanged and that the daemon's block tables equal theirs.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import signal
 import threading
@@ -27,8 +28,9 @@ from daemon_proc import TOKENS, Daemon, md, start
 
 import blockd_client.requests as rq
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd.launch import spawn
-from blockd.server import journal
+from blockd.runtime import journal
+from blockd.runtime.state_store import MAGIC
+from blockd_apps.launch import spawn
 from blockd_client import Client
 from blockd_client.errors import BlockdError
 from blockd_gpu import KvLayout
@@ -307,6 +309,53 @@ def test_mismatched_pool_starts_a_new_epoch_that_workers_detect(tmp_path: Path) 
         assert session.epoch != old
         s = stats(d)
         assert s.num_blocks == 96 and s.num_sequences == 0 and s.blocks_cached == 0
+        client.close()
+    finally:
+        d.stop()
+
+
+#: A pickle of the previous layout: a class of ``blockd.core.allocator``, which the renovation
+#: of issue 12 removed (its blocks are ``blockd.core.blocks`` now).
+OLD_LAYOUT_PICKLE = b"cblockd.core.allocator\nBlockAllocator\n."
+
+
+@pytest.mark.parametrize("snapshot", ["version-1", "unpicklable"])
+def test_a_snapshot_of_the_previous_layout_starts_a_new_epoch(tmp_path: Path, snapshot: str
+                                                              ) -> None:
+    """A snapshot the previous layout wrote is never loaded: neither one of format version 1
+    (the state dict of the previous layout, naming its module paths), nor one that cannot be
+    unpickled at all. The daemon starts a new epoch, which the worker detects, and serves."""
+    state = tmp_path / "state"
+    d = start(tmp_path, num_blocks=64, extra={"state": {"dir": str(state)}})
+    try:
+        client = Client(f"unix:{d.endpoints['unix']}", token=TOKENS["alice"], reconnect_s=30)
+        session = client.attach("acme", LAYOUT, worker_name="alice")
+        session.complete(session.step([rq.admit(list(range(20)), NS)]).fence)
+        old = session.epoch
+        kill9(d)
+        if snapshot == "version-1":
+            saved = pickle.loads((state / "snapshot").read_bytes()[len(MAGIC):])  # noqa: S301
+            saved.pop("manager_format", None)
+            saved.update(version=1, manager=OLD_LAYOUT_PICKLE)
+            payload = pickle.dumps(saved)
+        else:
+            payload = OLD_LAYOUT_PICKLE
+        (state / "snapshot").write_bytes(MAGIC + payload)
+        d = restart(d)
+        why = "snapshot version 1" if snapshot == "version-1" else "ModuleNotFoundError"
+        assert any("not recovering" in line and why in line for line in d.lines), d.log_text()
+        assert not any("recovered epoch" in line for line in d.lines)
+        with pytest.raises(BlockdError) as err:
+            session.step([rq.admit(list(range(20)), NS)])
+        assert type(err.value).__name__ == "EpochChanged" and session.epoch != old
+        out = session.step([rq.admit(list(range(20)), NS)])  # the new epoch serves
+        assert out.results[0].status.code == 0
+        s = stats(d)
+        assert s.epoch == session.epoch and s.num_sequences == 1 and s.num_sessions == 1
+        # The new epoch's own snapshot is of the current format.
+        fresh = pickle.loads((state / "snapshot").read_bytes()[len(MAGIC):])  # noqa: S301
+        assert fresh["version"] == 2 and fresh["epoch"] == session.epoch
+        session.detach()
         client.close()
     finally:
         d.stop()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from blockd.core.errors import FailedPrecondition
-from blockd.server import journal
-from blockd.server.state_store import StateStore
+from blockd.runtime import journal
+from blockd.runtime.state_store import StateStore
 
 
 def test_records_round_trip_in_order(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ from daemon_proc import TENANTS, Daemon, Worker, commit, md, release, start
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import EventsConfig
-from blockd.server.events import CLEARED, REMOVED, STORED, Event
-from blockd.server.kv_events import KvEventPublisher, encode_batch
+from blockd.runtime.events import CLEARED, REMOVED, STORED, Event
+from blockd.runtime.kv_events import KvEventPublisher, encode_batch
 
 BLOCK_SIZE = 4
 TOPIC = "kv@test-pod@tiny"

@@ -10,7 +10,7 @@ from daemon_proc import TENANTS, Worker, admit, append, commit, md, start
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd.server.tenants_file import token_hash
+from blockd.runtime.tenants_file import token_hash
 
 
 def test_lease_expiry_reclaims_a_silent_sessions_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -131,10 +131,32 @@ def test_cuda_pool_without_a_gpu_is_refused_with_the_reason(tmp_path) -> None:  
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "blockd", "serve", "--pool-backend", "cuda",
+    out = subprocess.run([sys.executable, "-m", "blockd_apps", "serve", "--pool-backend", "cuda",
                           "--server-unix-socket", str(tmp_path / "s.sock"),
                           "--server-tcp-address", "", "--metrics-address", "",
                           "--server-handle-socket", str(tmp_path / "h.sock")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "pool.backend" in out.stderr and "cuda pool unavailable" in out.stderr
+
+
+def test_python_dash_m_blockd_server_takes_the_flags_of_blockd_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The daemon starts without the applications package: ``python -m blockd.server`` has
+    exactly ``blockd serve``'s flags and refuses a bad configuration the same way."""
+    import re
+    import subprocess
+    import sys
+
+    def flags(*argv: str) -> set[str]:
+        out = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True,
+                             timeout=60, check=True)
+        return set(re.findall(r"--[a-z][a-z0-9-]*", out.stdout))
+
+    own = flags("-m", "blockd.server")
+    assert "--pool-num-blocks" in own and "--config" in own
+    assert own == flags("-m", "blockd_apps", "serve")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pool: {block_size: 12}\n")
+    out = subprocess.run([sys.executable, "-m", "blockd.server", "--config", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "bad configuration: pool.block_size" in out.stderr

@@ -2,7 +2,7 @@
 
 One record per applied change, written before the change is acknowledged (a Step's answer is
 sent only after its record is written). A record is ``[u32 length][u32 crc32][msgpack]``; the
-payload is a list whose first item names the record kind (see ``Daemon.record``).
+payload is a list whose first item names the record kind (see ``blockd.runtime.recovery``).
 
 Durability model: the journal lives on the same tmpfs as the pool (``state.dir``). ``write``
 returning means the bytes are in the kernel's page cache, which survives the daemon's death

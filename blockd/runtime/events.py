@@ -1,9 +1,12 @@
 """Block events (stored / removed / all cleared) with gap-free sequence numbers.
 
-The core calls ``on_core_event`` synchronously on the event loop. WatchEvents streams read from a
-bounded replay buffer, so a slow watcher can never make the daemon hold unbounded memory: it gets
-OUT_OF_RANGE and resubscribes. Listeners (the ZMQ KV-events publisher, ``kv_events.py``) are
-handed each ``Event`` as it is appended; a listener must be O(1) and must not block.
+The core hands ``on_core_event`` its typed events (``blockd.core.events``) synchronously, on the
+event loop. Each becomes one ``Event`` record, numbered here: the one record both gRPC
+WatchEvents (``blockd.runtime.convert.watch_event``) and the ZMQ KV-event publisher
+(``blockd.runtime.kv_events``) convert from. WatchEvents streams read from a bounded replay
+buffer, so a slow watcher can never make the daemon hold unbounded memory: it gets OUT_OF_RANGE
+and resubscribes. Listeners (the ZMQ publisher) are handed each ``Event`` as it is appended; a
+listener must be O(1) and must not block.
 
 What an event carries is decided here, once, for both paths: a private tenant's events never
 include token ids, and no event ever includes a salt or a private tenant's id (the namespace
@@ -18,13 +21,19 @@ import hashlib
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
-from blockd.core.namespace import Namespace
+from blockd.core.errors import BlockdError, StatusCode
+from blockd.core.events import AllBlocksCleared, BlockRemoved, BlockStored, CoreEvent
 
 log = logging.getLogger("blockd.events")
+
+class OutOfRange(BlockdError):
+    """The events a watcher asked for are no longer in the bounded buffer: resubscribe."""
+
+    status = StatusCode.OUT_OF_RANGE
+
 
 STORED = "stored"
 REMOVED = "removed"
@@ -50,14 +59,11 @@ class Event:
 class EventLog:
     """Bounded, sequence-numbered log of block events; watchers await new ones."""
 
-    def __init__(self, capacity: int = 65536, block_size: int = 16) -> None:
+    def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
-        self.block_size = block_size
         self.events: deque[Event] = deque(maxlen=capacity)
         self.next_seq = 1
         self._changed = asyncio.Event()
-        #: Key of each indexed block, so a child's event can name its parent's hash.
-        self._keys: dict[int, bytes] = {}
         #: Called with each appended event (after it has its sequence number).
         self._listeners: list[Callable[[Event], None]] = []
         #: Keys the private tenants' labels; never leaves this process, new at every start.
@@ -86,26 +92,20 @@ class EventLog:
             self._tenant_labels[sharing_domain] = label
         return label
 
-    def on_core_event(self, kind: str, data: dict[str, Any]) -> None:
+    def on_core_event(self, ev: CoreEvent) -> None:
         """The BlockManager's event sink."""
-        if kind == STORED:
-            ns: Namespace = data["ns"]
-            key: bytes = data["key"]
-            self._keys[data["block"]] = key
-            domain = ns.fields.sharing_domain
-            private = domain.startswith("private:")
-            parent = self._keys.get(data["parent"], b"") if data["parent"] >= 0 else b""
-            self._append(Event(0, STORED, (key,), parent,
-                               token_bytes=b"" if private else data["tokens"],
-                               lora_id=ns.fields.lora_id or "",
-                               namespace="ns-" + ns.root_key[:8].hex(),
-                               tenant=self.tenant_label(domain)))
-        elif kind == REMOVED:
-            self._keys.pop(data["block"], None)
-            self._append(Event(0, REMOVED, (data["key"],)))
-        elif kind == CLEARED:
-            self._keys.clear()
+        if isinstance(ev, BlockStored):
+            private = ev.sharing_domain.startswith("private:")
+            self._append(Event(0, STORED, (ev.key,), ev.parent_key,
+                               token_bytes=b"" if private else ev.token_bytes,
+                               lora_id=ev.lora_id, namespace=ev.namespace_label,
+                               tenant=self.tenant_label(ev.sharing_domain)))
+        elif isinstance(ev, BlockRemoved):
+            self._append(Event(0, REMOVED, (ev.key,)))
+        elif isinstance(ev, AllBlocksCleared):
             self._append(Event(0, CLEARED))
+        else:  # pragma: no cover - CoreEvent has no other members
+            log.warning("unknown core event %r not logged", ev)
 
     def _append(self, ev: Event) -> None:
         object.__setattr__(ev, "seq", self.next_seq)
@@ -132,3 +132,22 @@ class EventLog:
     async def wait(self) -> None:
         self._changed.clear()
         await self._changed.wait()
+
+    async def follow(self, since: int, *, until: Callable[[], bool]
+                     ) -> AsyncIterator[Event]:
+        """Every event from sequence number ``since`` (0: from now on), as they come, until
+        ``until()`` says stop; ``OutOfRange`` if a needed event left the buffer."""
+        nxt = since or self.next_seq
+        if nxt < self.oldest_seq:
+            raise OutOfRange(f"events before {self.oldest_seq} are gone", field="since_sequence")
+        while not until():
+            batch = self.since(nxt)
+            if not batch:
+                await self.wait()
+                continue
+            if batch[0].seq != nxt:  # fell behind the bounded buffer
+                raise OutOfRange(f"events before {batch[0].seq} are gone",
+                                 field="since_sequence")
+            for ev in batch:
+                yield ev
+            nxt = batch[-1].seq + 1

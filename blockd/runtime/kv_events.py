@@ -29,13 +29,10 @@ import zmq
 
 from blockd.config import EventsConfig
 from blockd.core.errors import FailedPrecondition, InvalidArgument
-from blockd.server.events import CLEARED, REMOVED, STORED, Event
+from blockd.runtime.events import CLEARED, REMOVED, STORED, Event
 
 log = logging.getLogger("blockd.kv_events")
 
-#: vLLM's medium names (``MEDIUM_GPU`` is "GPU"); the host pool is "CPU".
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
 #: The sequence number that ends a replay: -1 as a signed 64-bit big-endian integer.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: First element of every extra_keys entry: whose labels follow.
@@ -51,11 +48,6 @@ def block_hash(key: bytes) -> int:
     prefix hit by token ids and namespace, so a collision here can only misroute a request.
     """
     return int.from_bytes(key[:8], "big")
-
-
-def medium_for(backend: str) -> str:
-    """The medium published for a pool backend: "GPU" for cuda, "CPU" for the host pool."""
-    return MEDIUM_GPU if backend == "cuda" else MEDIUM_CPU
 
 
 def _tokens(raw: bytes) -> list[int]:

@@ -1,0 +1,363 @@
+"""The daemon beyond the core: the composition root of one epoch of blockd.
+
+``Daemon`` builds the parts (pool spec, pool, block manager, sequence-id minter, event log,
+sessions, crash recovery) and is what the gRPC transport calls: one method per RPC, taking the
+authenticated caller and the request message and returning the response message (the runtime
+speaks protobuf, never grpc). Each method checks what only the daemon knows (credentials, the
+epoch, draining, per-request limits), makes its core calls, journals the change, and converts
+the result (``blockd.runtime.convert``). Everything here runs on the server's event loop.
+
+With ``state.dir`` a restarted daemon carries on from its snapshot and journal
+(``blockd.runtime.recovery``); ``start`` is the one way to get a recovered daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from blockd import wire
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.config import Config
+from blockd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from blockd.core.events import AllBlocksCleared
+from blockd.core.ids import SequenceIds
+from blockd.core.manager import BlockManager
+from blockd.pools.base import Pool
+from blockd.pools.host import HostPool
+from blockd.runtime import convert, step, tenants_file
+from blockd.runtime.events import EventLog
+from blockd.runtime.recovery import Recovery
+from blockd.runtime.sessions import Sessions
+from blockd.runtime.state_store import StateStore
+from blockd.runtime.step import StepLimits
+from blockd.runtime.tenants_file import Principal, TenantsFile
+
+log = logging.getLogger("blockd.daemon")
+
+
+def start(cfg: Config) -> Daemon:
+    """The daemon, recovered from ``state.dir`` when there is state to recover.
+
+    If replaying the state fails (a bug, or a journal damaged in a way its checksums cannot
+    see), the snapshot and journal are moved aside for a post-mortem and the daemon starts a
+    new epoch, which workers detect: a crash loop would keep every worker waiting instead.
+    """
+    daemon = Daemon(cfg)
+    try:
+        daemon.recover()
+        return daemon
+    except Exception:
+        store = daemon.recovery.store
+        daemon.close()
+        if store is None:
+            raise
+        kept = store.quarantine()
+        log.exception("recovering from %s failed: starting a new epoch (the snapshot and "
+                      "journal are kept in %s)", store.dir, kept)
+    daemon = Daemon(cfg)
+    daemon.recover()
+    return daemon
+
+
+class Daemon:
+    """One daemon process's state. Build it with ``start``."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.spec = cfg.pool.spec()
+        sc = cfg.server
+        self.limits = StepLimits(max_operations_per_step=sc.max_operations_per_step,
+                                 max_tokens_per_operation=sc.max_tokens_per_operation,
+                                 max_message_bytes=sc.max_message_bytes)
+        self.tenants = self._load_tenants()
+        self.events = EventLog()
+        self.ids = SequenceIds()
+        #: Failed Step operations and batch entries, by status name (a bounded label set).
+        self.op_errors: Counter[str] = Counter()
+        self.recovery = Recovery(self._state_store(),
+                                 snapshot_min_bytes=cfg.state.snapshot_min_bytes)
+        store = self.recovery.store
+        saved = self.recovery.load(self.spec, ids=self.ids)
+        self.pool: Pool
+        if saved is not None and store is not None:
+            self.manager = saved.manager
+            self.pool = HostPool(self.spec, path=store.pool_path, reuse=True)
+            #: This incarnation of the pool (>= 1): block ids of another epoch mean nothing.
+            self.epoch: int = saved.epoch
+        else:
+            self.manager = BlockManager(self.spec, self.tenants.tenants,
+                                        enable_prefix_cache=cfg.cache.enable_prefix_cache,
+                                        scrub_always=cfg.cache.scrub_always,
+                                        ids=self.ids, preemption=cfg.cache.preemption)
+            self.pool = self._new_pool(store)
+            self.epoch = int.from_bytes(os.urandom(6), "little") | 1
+        #: vLLM's medium names: where the blocks live ("GPU" or "CPU").
+        self.medium = self.pool.medium
+        self.sessions = Sessions(self.manager, epoch=self.epoch, tenants=self.tenants,
+                                 lease=cfg.lease, max_sessions=sc.max_sessions, store=store,
+                                 record=self.recovery.record)
+        self._resumed = saved is not None and bool(saved.sessions)
+        for s in saved.sessions if saved is not None else ():
+            self.sessions.restore(s)
+        self.draining = False
+        self.started = time.time()
+
+    def _state_store(self) -> StateStore | None:
+        if not self.cfg.state.dir:
+            return None
+        store = StateStore(self.cfg.state.dir)
+        if self.cfg.pool.backend == "cuda":
+            # A CUDA VMM allocation dies with the process that created it unless some process
+            # still holds an exported handle; the daemon does not re-import workers' handles
+            # (docs/decisions.md), so a restart is a new epoch that workers detect.
+            log.warning("state.dir is set but the cuda pool cannot outlive the daemon: every "
+                        "restart starts a new epoch (workers re-attach and recompute)")
+            store.wipe()
+            return None
+        return store
+
+    def _new_pool(self, store: StateStore | None) -> Pool:
+        cfg = self.cfg
+        if cfg.pool.backend == "cuda":
+            # Imported here: CPU installs never load cuda-python. CudaPool refuses with the
+            # reason (no driver, no device, no VMM) as FAILED_PRECONDITION on pool.backend.
+            from blockd.pools.cuda import CudaPool
+
+            return CudaPool(self.spec, prefault=cfg.pool.prefault)
+        return HostPool(self.spec, prefault=cfg.pool.prefault,
+                        path=store.pool_path if store else None)
+
+    def recover(self) -> None:
+        """Replay the journal after the snapshot, then start a new snapshot and journal.
+
+        Called once before serving; without ``state.dir`` it only connects the event log.
+        """
+        t0 = time.perf_counter()
+        m = self.manager
+        records = self.recovery.replay(m, self.sessions, self.ids, epoch=self.epoch,
+                                       errors=self.op_errors)
+        resumed = self._resumed or records > 0 or m.num_indexed > 0
+        self.check()
+        # The journal was replayed under the settings it was written with; from here on the
+        # configuration of this start applies.
+        cc = self.cfg.cache
+        m.reconfigure(enable_prefix_cache=cc.enable_prefix_cache, scrub_always=cc.scrub_always,
+                      preemption=cc.preemption)
+        m.set_event_sink(self.events.on_core_event)
+        if resumed:
+            # KV-event subscribers of the new process: everything they knew may be stale, so
+            # say so, then list every block the index still holds (parents first).
+            self.events.on_core_event(AllBlocksCleared())
+            for ev in m.indexed_events():
+                self.events.on_core_event(ev)
+        if self.recovery.enabled:
+            self.ids.record()
+            self._snapshot()
+        if m.tenant_policies() != {p.tenant_id: p for p in self.tenants.tenants}:
+            self.reload_tenants(self.tenants)  # the file changed while the daemon was down
+        if resumed:
+            log.info("recovered epoch=%d sessions=%d sequences=%d indexed_blocks=%d "
+                     "journal_records=%d seconds=%.4f", self.epoch, len(self.sessions),
+                     m.num_sequences, m.num_indexed, records, time.perf_counter() - t0)
+
+    def _snapshot(self) -> None:
+        self.recovery.snapshot(self.manager, self.sessions, self.spec, self.epoch)
+
+    def _journalled(self) -> None:
+        """After a journalled change: compact the journal into a snapshot when it is due."""
+        if self.recovery.due:
+            self._snapshot()
+
+    def check(self) -> None:
+        """With ``server.check_invariants``: every core invariant, after each call."""
+        if self.cfg.server.check_invariants:
+            self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Every core invariant (O(num_blocks)); a violation raises
+        ``blockd.core.errors.Internal``, also under ``python -O``."""
+        self.manager.check_invariants()
+
+    # -- tenants -------------------------------------------------------------------------------
+
+    def _load_tenants(self) -> TenantsFile:
+        if self.cfg.tenants.file:
+            return tenants_file.load(self.cfg.tenants.file)
+        return tenants_file.default(self.spec.num_blocks, self.cfg.tenants.allow_anonymous)
+
+    def reload_tenants(self, fresh: TenantsFile | None = None) -> None:
+        """SIGHUP: re-read the tenants file; sessions and blocks are kept."""
+        fresh = fresh or self._load_tenants()
+        self.manager.set_tenants(fresh.tenants)
+        self.recovery.record(["tenants", pickle.dumps(list(fresh.tenants))])
+        self.tenants = self.sessions.tenants = fresh
+        self._journalled()
+        log.info("tenants reloaded tenants=%d workers=%d", len(fresh.tenants), len(fresh.workers))
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def attach(self, principal: Principal, req: pb.AttachRequest) -> pb.AttachResponse:
+        convert.check_id(req.tenant_id, "tenant_id")
+        convert.check_id(req.worker_name, "worker_name", required=False)
+        if not req.HasField("layout"):
+            raise InvalidArgument("the worker must state its KV layout", field="layout")
+        spec = self.spec
+        wanted = convert.spec_from_layout(req.layout, spec.num_blocks)
+        mismatch = spec.layout_mismatches(wanted)
+        if mismatch:
+            name = mismatch[0]
+            raise FailedPrecondition(
+                f"layout mismatch: the pool has {name}={getattr(spec, name)!r}, the worker "
+                f"expects {getattr(wanted, name)!r}", field=f"layout.{name}")
+        if self.draining:
+            raise Unavailable("the daemon is draining; attach to its replacement")
+        info = self.sessions.attach(principal, req.tenant_id, req.worker_name, req.lease_ms,
+                                    req.resume_session_id)
+        self._journalled()
+        policy = self.manager.tenant_policy(info.tenant_id)
+        return pb.AttachResponse(
+            session_id=info.id, epoch=self.epoch, lease_ms=info.lease_ms,
+            pool=convert.pool_info(spec, self.medium, self.cfg.server.handle_socket),
+            tenant_id=info.tenant_id, sharing_domain_kind=convert.sharing_kind(policy))
+
+    def detach(self, principal: Principal, req: pb.DetachRequest) -> pb.DetachResponse:
+        info = self.sessions.get(principal, req.session_id)
+        released = self.sessions.detach(info, "detach")
+        self._journalled()
+        return pb.DetachResponse(num_sequences_released=released)
+
+    def heartbeat(self, principal: Principal, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        info = self.sessions.get(principal, req.session_id, req.epoch)
+        if req.completed_fence:
+            self.sessions.complete_fence(info, req.completed_fence)
+            self._journalled()
+        self.sessions.renew(info)
+        expires = time.time() + info.lease_ms / 1000
+        return pb.HeartbeatResponse(lease_expires_unix_ms=int(expires * 1000), epoch=self.epoch)
+
+    def reap(self) -> int:
+        """Close every session whose lease has expired; returns how many."""
+        n = self.sessions.reap()
+        if n:
+            self._journalled()
+        return n
+
+    def poll_fences(self) -> None:
+        """Apply what every worker published in its fence page."""
+        self.sessions.poll_fences()
+        self._journalled()
+
+    # -- Step ----------------------------------------------------------------------------------
+
+    def step(self, principal: Principal, req: pb.StepRequest) -> pb.StepResponse:
+        info = self.sessions.get(principal, req.session_id, req.epoch)
+        m = self.manager
+        retry = step.check(info, req, self.limits, self.spec.block_size,
+                           m.session_view(info.id))
+        if retry is not None:
+            return retry
+        self.sessions.poll_fence(info)
+        self.ids.take_minted()  # whatever an earlier failed Step left
+        resp = step.apply_step(m, self.sessions, info, req, epoch=self.epoch,
+                               limits=self.limits, errors=self.op_errors)
+        if resp.scrubbed_blocks:
+            self.pool.zero_blocks(list(resp.scrubbed_blocks))
+        self.recovery.record_step(info.id, req, self.ids.take_minted())
+        self._journalled()
+        return resp
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def lookup(self, principal: Principal, req: pb.LookupRequest) -> pb.LookupResponse:
+        info = self.sessions.get(principal, req.session_id, req.epoch)
+        tokens = step.check_tokens(self.limits, req.token_ids, "token_ids")
+        n = self.manager.lookup(info.id, convert.scope(req.namespace), tokens)
+        return pb.LookupResponse(num_cached_tokens=n,
+                                 num_cached_blocks=n // self.spec.block_size)
+
+    def block_table(self, principal: Principal, req: pb.GetBlockTableRequest
+                    ) -> pb.GetBlockTableResponse:
+        info = self.sessions.owning(principal, req.session_id, req.sequence_id)
+        table, n = self.manager.block_table(info.id, req.sequence_id)
+        return pb.GetBlockTableResponse(sequence_id=req.sequence_id, epoch=self.epoch,
+                                        block_ids=table, num_tokens=n,
+                                        block_size=self.spec.block_size)
+
+    def inspect(self, principal: Principal, req: pb.InspectRequest) -> pb.InspectResponse:
+        info = self.sessions.owning(principal, req.session_id, req.sequence_id)
+        if req.max_positions > 65536:
+            raise InvalidArgument("max_positions is at most 65536", field="max_positions")
+        m = self.manager
+        positions = m.inspect(info.id, req.sequence_id, req.start_position,
+                              req.max_positions or 65536)
+        table, n = m.block_table(info.id, req.sequence_id)
+        resp = pb.InspectResponse(sequence_id=req.sequence_id, epoch=self.epoch,
+                                  block_size=self.spec.block_size, num_tokens=n)
+        return convert.inspect_response(resp, positions, m.block_info(table))
+
+    def stats(self, principal: Principal) -> pb.StatsResponse:
+        m = self.manager
+        counts = m.state_counts()
+        c = m.counters
+        resp = pb.StatsResponse(
+            epoch=self.epoch, num_blocks=self.spec.num_blocks,
+            block_size=self.spec.block_size, blocks_free=counts["free"],
+            blocks_writing=counts["writing"], blocks_committed=counts["committed"],
+            blocks_pending=counts["pending"], blocks_cached=counts["cached"],
+            prefix_queried_tokens_total=c.queried_tokens, prefix_hit_tokens_total=c.hit_tokens,
+            evictions_total=c.evictions, cow_copies_total=c.cow_copies,
+            num_sessions=len(self.sessions), num_sequences=m.num_sequences)
+        for usage in sorted(m.tenant_usage(), key=lambda u: u.tenant_id):
+            if principal.admin or usage.tenant_id in principal.tenants:
+                resp.tenants.append(convert.tenant_usage(usage))
+        return resp
+
+    # -- events and flushes --------------------------------------------------------------------
+
+    async def watch(self, principal: Principal, since: int
+                    ) -> AsyncIterator[pb.WatchEventsResponse]:
+        """Every block event from ``since`` (0: from now on) until the daemon drains."""
+        if not principal.admin:
+            raise PermissionDenied("watching events needs an admin credential",
+                                   field="authorization")
+        B = self.spec.block_size
+        async for ev in self.events.follow(since, until=lambda: self.draining):
+            yield convert.watch_event(ev, epoch=self.epoch, block_size=B, medium=self.medium)
+
+    def flush(self, principal: Principal, req: pb.FlushNamespaceRequest
+              ) -> pb.FlushNamespaceResponse:
+        for name in ("model_id", "model_revision", "lora_id", "tenant_id"):
+            convert.check_id(getattr(req, name), name, required=False)
+        if not principal.admin:
+            if not req.tenant_id:
+                raise PermissionDenied("without an admin credential a flush must name one of "
+                                       "the caller's tenants", field="tenant_id")
+            principal.require_tenant(req.tenant_id)
+        filters = {"model_id": req.model_id or None, "model_revision": req.model_revision or None,
+                   "lora_id": req.lora_id or None, "tenant_id": req.tenant_id or None}
+        n = self.manager.flush(**filters)
+        self.recovery.record(["flush", filters])
+        self._journalled()
+        return pb.FlushNamespaceResponse(num_blocks_flushed=n)
+
+    # -- the pool ------------------------------------------------------------------------------
+
+    def handle_for(self, session_id: str) -> tuple[wire.HandleHeader, list[int]] | None:
+        """What the handle server sends a session's worker (called from its thread): the
+        pool's header and fds, then the session's fence page (``blockd.wire`` fd order)."""
+        info = self.sessions.find(session_id)
+        if info is None or info.fence_page is None:
+            return None
+        return self.pool.handle(self.epoch, info.fence_page.fd)
+
+    def close(self) -> None:
+        """Release this process's handles. With ``state.dir`` the files stay: the next daemon
+        carries on with the same epoch, sessions that did not detach, and the cache."""
+        self.sessions.close()
+        self.recovery.close()
+        self.pool.close()

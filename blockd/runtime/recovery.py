@@ -1,0 +1,224 @@
+"""Crash recovery: the snapshot and journal in ``state.dir``: save, record, replay.
+
+Every change the daemon applies is journalled before it is acknowledged: attaches, detaches and
+reaps, fence completions, Steps (the request plus the sequence ids it minted), flushes and
+tenant reloads (docs/decisions.md, "Crash recovery"). A restart loads the last snapshot and
+replays the journal after it through the same code (``blockd.runtime.step.apply_step``,
+``Sessions``), without the side effects that already happened once: no journal is open while
+it replays, fence pages are not polled, scrubbed blocks are not zeroed again, and the
+per-request limits of this start are not applied. The daemon then carries on with the same
+epoch: workers' block ids, sequences and mapped pool stay valid.
+
+Journal records (msgpack lists, see ``blockd.runtime.journal``)::
+
+    ["attach", session_id, tenant_id, owner, worker_name, lease_ms]
+    ["detach", session_id, reason]
+    ["fence", session_id, completed_fence]
+    ["step", session_id, StepRequest bytes, [minted sequence ids]]
+    ["flush", {filter: value}]
+    ["tenants", pickled tenant policies]
+
+A snapshot another layout wrote (another ``SNAPSHOT_VERSION`` or core snapshot format, or one
+that cannot be unpickled at all, e.g. it names a module that moved) is not loaded: the daemon
+starts a new epoch, which workers detect and re-attach to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.core import snapshot
+from blockd.core.ids import SequenceIds
+from blockd.core.manager import BlockManager
+from blockd.core.spec import PoolSpec
+from blockd.runtime import step
+from blockd.runtime.journal import Journal
+from blockd.runtime.journal import read as read_journal
+from blockd.runtime.sessions import SavedSession, Sessions
+from blockd.runtime.state_store import StateStore
+
+log = logging.getLogger("blockd.recovery")
+
+#: The layout of the snapshot's state dict. 2: the runtime/core split of issue 12 (every
+#: pickled module path changed).
+SNAPSHOT_VERSION = 2
+
+
+@dataclass(slots=True)
+class Saved:
+    """What a readable snapshot restores."""
+
+    manager: BlockManager
+    epoch: int
+    sessions: list[SavedSession]
+
+
+class Recovery:
+    """The state directory's snapshot and journal; inert without ``state.dir``."""
+
+    def __init__(self, store: StateStore | None, *, snapshot_min_bytes: int) -> None:
+        self.store = store
+        self.snapshot_min_bytes = snapshot_min_bytes
+        #: The journal being written; None until the first snapshot (so during a replay).
+        self.journal: Journal | None = None
+        self.generation = 0
+        self.snapshots = 0
+        self.last_snapshot_seconds = 0.0
+        self._snapshot_bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this daemon journals and snapshots (``state.dir`` on a host pool)."""
+        return self.store is not None
+
+    @property
+    def journal_bytes(self) -> int:
+        """Bytes journalled since the last snapshot."""
+        return self.journal.size if self.journal is not None else 0
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self, spec: PoolSpec, *, ids: SequenceIds) -> Saved | None:
+        """The last snapshot if this daemon can carry on from it; otherwise None, and the state
+        directory is wiped for a clean epoch."""
+        store = self.store
+        if store is None:
+            return None
+        try:
+            state = store.read_snapshot()
+        except Exception as exc:  # unpicklable: another layout's module paths, or damage
+            self._new_epoch(f"the snapshot cannot be read ({type(exc).__name__}: {exc})")
+            return None
+        if state is None:
+            store.wipe()
+            return None
+        problem = _problem(state, spec, store)
+        if problem is not None:
+            self._new_epoch(problem)
+            return None
+        try:
+            manager = snapshot.load(state["manager"], events=None, ids=ids)
+        except Exception as exc:
+            self._new_epoch(f"its block manager cannot be restored ({type(exc).__name__}: "
+                            f"{exc})")
+            return None
+        self.generation = state["generation"]
+        return Saved(manager, state["epoch"], state["sessions"])
+
+    def _new_epoch(self, problem: str) -> None:
+        if self.store is not None:
+            log.warning("not recovering from %s: %s; starting a new epoch", self.store.dir,
+                        problem)
+            self.store.wipe()
+
+    # -- replay --------------------------------------------------------------------------------
+
+    def replay(self, m: BlockManager, sessions: Sessions, ids: SequenceIds, *, epoch: int,
+               errors: Counter[str]) -> int:
+        """Apply the journal written after the snapshot; returns the number of records."""
+        if self.store is None:
+            return 0
+        records = 0
+        for record in read_journal(self.store.journal_path(self.generation)):
+            _apply(record, m, sessions, ids, epoch, errors)
+            records += 1
+        return records
+
+    # -- recording -----------------------------------------------------------------------------
+
+    def record(self, record: list[Any]) -> None:
+        """Journal one applied change (no-op without ``state.dir`` and during a replay)."""
+        if self.journal is not None:
+            self.journal.append(record)
+
+    def record_step(self, session_id: str, req: pb.StepRequest, minted: list[str]) -> None:
+        if self.journal is not None:
+            self.journal.append(["step", session_id, req.SerializeToString(), minted])
+
+    @property
+    def due(self) -> bool:
+        """The journal has grown enough that a snapshot (a compaction) is worth its cost."""
+        journal = self.journal
+        return journal is not None and journal.size >= max(self.snapshot_min_bytes,
+                                                           2 * self._snapshot_bytes)
+
+    def snapshot(self, m: BlockManager, sessions: Sessions, spec: PoolSpec, epoch: int) -> None:
+        """Write a snapshot of everything, then start the next journal generation."""
+        store = self.store
+        if store is None:
+            return
+        t0 = time.perf_counter()
+        state = {
+            "version": SNAPSHOT_VERSION, "manager_format": snapshot.FORMAT_VERSION,
+            "spec": dataclasses.asdict(spec), "epoch": epoch,
+            "generation": self.generation + 1, "manager": snapshot.dump(m),
+            "sessions": sessions.saved(),
+        }
+        self._snapshot_bytes = store.write_snapshot(state)
+        self.generation += 1
+        if self.journal is not None:
+            self.journal.close()
+        self.journal = Journal(store.journal_path(self.generation))
+        store.remove_journals(keep=self.generation)
+        self.snapshots += 1
+        self.last_snapshot_seconds = time.perf_counter() - t0
+        log.debug("snapshot generation=%d bytes=%d seconds=%.4f", self.generation,
+                  self._snapshot_bytes, self.last_snapshot_seconds)
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
+
+
+def _problem(state: object, spec: PoolSpec, store: StateStore) -> str | None:
+    """Why a readable snapshot cannot be carried on from, or None."""
+    if not isinstance(state, dict):
+        return f"the snapshot holds a {type(state).__name__}, not a state dict"
+    if state.get("version") != SNAPSHOT_VERSION:
+        return (f"snapshot version {state.get('version')!r} (this daemon reads "
+                f"{SNAPSHOT_VERSION})")
+    if state.get("manager_format") != snapshot.FORMAT_VERSION:
+        return f"core snapshot format {state.get('manager_format')!r}"
+    if state["spec"] != dataclasses.asdict(spec):
+        return f"the pool was {state['spec']}, the configuration says {spec}"
+    if not os.path.exists(store.pool_path):
+        return "the pool file is gone"
+    return None
+
+
+def _apply(record: list[Any], m: BlockManager, sessions: Sessions, ids: SequenceIds,
+           epoch: int, errors: Counter[str]) -> None:
+    kind = record[0]
+    if kind == "step":
+        _, sid, raw, minted = record
+        info = sessions.find(sid)
+        if info is None:
+            raise ValueError(f"journal: a step of unknown session {sid!r}")
+        with ids.replaying(minted):
+            step.apply_step(m, sessions, info, pb.StepRequest.FromString(raw), epoch=epoch,
+                            limits=None, errors=errors)
+    elif kind == "fence":
+        m.complete_fence(record[1], record[2])
+    elif kind == "attach":
+        _, sid, tenant_id, owner, worker_name, lease_ms = record
+        sessions.open(sid, tenant_id, owner, worker_name, lease_ms)
+    elif kind == "detach":
+        info = sessions.find(record[1])
+        if info is None:
+            raise ValueError(f"journal: a detach of unknown session {record[1]!r}")
+        sessions.detach(info, record[2], poll_fence=False)
+    elif kind == "flush":
+        m.flush(**record[1])
+    elif kind == "tenants":
+        m.set_tenants(pickle.loads(record[1]))  # noqa: S301 (our own journal)
+    else:
+        raise ValueError(f"unknown journal record {kind!r}")

@@ -1,0 +1,260 @@
+"""Sessions as the daemon sees them: credentials, leases, fence pages and the last answer.
+
+The core keeps a session's sequences and fences; this module keeps what only the daemon needs:
+who owns the session (authentication, then ownership on every call), its lease (renewed by
+every call, reaped when it expires), its fence page (which the worker writes and the daemon
+polls), the fences' announce times (for the oldest-pending-fence metric) and the last Step's
+answer (a retried step_id is answered, not reapplied).
+
+Every change is journalled through ``record`` (``blockd.runtime.recovery``; a no-op without
+``state.dir`` and while the journal is replayed). Fences follow one rule, the core's: a value
+read from the worker's fence page is clamped to the fences issued so far (a worker cannot
+retire blocks no Step named); a fence an RPC reports (Heartbeat) beyond them is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.config import LeaseConfig
+from blockd.core.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
+from blockd.core.manager import BlockManager
+from blockd.pools.fences import FencePage
+from blockd.runtime.state_store import StateStore
+from blockd.runtime.tenants_file import Principal, TenantsFile
+
+log = logging.getLogger("blockd.sessions")
+
+#: What a snapshot keeps of a session: id, tenant, owner, worker name, lease, last step id and
+#: the last answer's bytes.
+SavedSession = tuple[str, str, str, str, int, int, bytes | None]
+
+
+@dataclass(slots=True)
+class SessionInfo:
+    """What the daemon knows about a session besides the core's view."""
+
+    id: str
+    tenant_id: str
+    owner: str
+    worker_name: str
+    lease_ms: int
+    expires_at: float
+    last_step_id: int = 0
+    last_response: pb.StepResponse | None = None
+    #: (fence, monotonic time it was announced), oldest first, until completed.
+    fence_times: deque[tuple[int, float]] = field(default_factory=deque)
+    #: Where the worker publishes its completed fence (polled by the daemon).
+    fence_page: FencePage | None = None
+
+
+class Sessions:
+    """The attached sessions of one epoch. Runs on the daemon's event loop."""
+
+    def __init__(self, manager: BlockManager, *, epoch: int, tenants: TenantsFile,
+                 lease: LeaseConfig, max_sessions: int, store: StateStore | None,
+                 record: Callable[[list[Any]], None]) -> None:
+        self.m = manager
+        self.epoch = epoch
+        #: Credentials (and the tenants they may act for); replaced by a reload.
+        self.tenants = tenants
+        self.lease = lease
+        self.max_sessions = max_sessions
+        self.store = store
+        self.record = record
+        self._by_id: dict[str, SessionInfo] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[SessionInfo]:
+        return iter(list(self._by_id.values()))
+
+    def find(self, session_id: str) -> SessionInfo | None:
+        return self._by_id.get(session_id)
+
+    # -- credentials ---------------------------------------------------------------------------
+
+    def authenticate(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Principal:
+        """The caller named by an ``authorization: Bearer <token>`` header (or anonymous)."""
+        token = None
+        for key, value in metadata or ():
+            if key == "authorization":
+                text = value.decode() if isinstance(value, bytes) else value
+                scheme, _, token = text.partition(" ")
+                if scheme.lower() != "bearer":
+                    token = ""
+        return self.tenants.authenticate(token)
+
+    def get(self, principal: Principal, session_id: str, epoch: int | None = None
+            ) -> SessionInfo:
+        """The caller's session; NOT_FOUND, PERMISSION_DENIED or a stale-epoch error."""
+        info = self._by_id.get(session_id)
+        if info is None:
+            raise NotFound("unknown or expired session", field="session_id")
+        if info.owner != principal.name and not principal.admin:
+            raise PermissionDenied("the session belongs to another worker", field="session_id")
+        if epoch is not None and epoch != self.epoch:
+            raise FailedPrecondition(
+                f"epoch {epoch} is stale (current {self.epoch}): re-attach", field="epoch")
+        return info
+
+    def owning(self, principal: Principal, session_id: str, sequence_id: str) -> SessionInfo:
+        """The named session; an admin (an operator's blockctl) may leave it empty and name
+        only the sequence."""
+        if not session_id and principal.admin:
+            found = self.m.sequence_session(sequence_id)
+            if found is None:
+                raise NotFound("unknown sequence", field="sequence_id")
+            session_id = found
+        return self.get(principal, session_id)
+
+    # -- attach, detach, leases ----------------------------------------------------------------
+
+    def attach(self, principal: Principal, tenant_id: str, worker_name: str, lease_ms: int,
+               resume_session_id: str = "") -> SessionInfo:
+        """A new session (journalled), or the caller's own session ``resume_session_id``."""
+        principal.require_tenant(tenant_id)
+        if not self.m.has_tenant(tenant_id):
+            raise PermissionDenied("this credential may not act for that tenant",
+                                   field="tenant_id")
+        lc = self.lease
+        lease = max(lc.min_ms, min(lc.max_ms, lease_ms or lc.default_ms))
+        if resume_session_id and resume_session_id in self._by_id:
+            info = self._by_id[resume_session_id]
+            if info.owner != principal.name or info.tenant_id != tenant_id:
+                raise PermissionDenied("that session belongs to another worker",
+                                       field="resume_session_id")
+            info.lease_ms = lease
+            self.renew(info)
+            return info
+        if len(self._by_id) >= self.max_sessions:
+            raise ResourceExhausted("the daemon's session limit is reached", reason="sessions")
+        info = self.open(None, tenant_id, principal.name, worker_name, lease)
+        self.record(["attach", info.id, info.tenant_id, info.owner, info.worker_name, lease])
+        log.info("session attached tenant=%s worker=%s lease_ms=%d", tenant_id, worker_name,
+                 lease)
+        return info
+
+    def open(self, sid: str | None, tenant_id: str, owner: str, worker_name: str,
+             lease_ms: int) -> SessionInfo:
+        """Open the core session too (an attach, or its journal record replayed)."""
+        sid = self.m.open_session(tenant_id, sid)
+        return self._add(sid, tenant_id, owner, worker_name, lease_ms)
+
+    def restore(self, saved: SavedSession) -> None:
+        """A session of a snapshot (the core session is in the manager's snapshot). A
+        restarted daemon gives every worker a full lease to reconnect in."""
+        sid, tenant_id, owner, worker_name, lease_ms, last_step_id, last_response = saved
+        info = self._add(sid, tenant_id, owner, worker_name, lease_ms)
+        info.last_step_id = last_step_id
+        if last_response is not None:
+            info.last_response = pb.StepResponse.FromString(last_response)
+
+    def saved(self) -> list[SavedSession]:
+        """What a snapshot keeps of every session (see ``restore``)."""
+        return [(i.id, i.tenant_id, i.owner, i.worker_name, i.lease_ms, i.last_step_id,
+                 i.last_response.SerializeToString() if i.last_response is not None else None)
+                for i in self._by_id.values()]
+
+    def _add(self, sid: str, tenant_id: str, owner: str, worker_name: str,
+             lease_ms: int) -> SessionInfo:
+        """The daemon's side of a core session, with a full lease and its fence page."""
+        page = FencePage(self.store.fence_path(sid) if self.store else None)
+        info = SessionInfo(sid, tenant_id, owner, worker_name, lease_ms,
+                           time.monotonic() + lease_ms / 1000, fence_page=page)
+        self._by_id[sid] = info
+        return info
+
+    def renew(self, info: SessionInfo) -> None:
+        info.expires_at = time.monotonic() + info.lease_ms / 1000
+
+    def detach(self, info: SessionInfo, reason: str, *, poll_fence: bool = True) -> int:
+        """Close the session and release its sequences; returns how many.
+
+        ``poll_fence``: first apply what the worker published last (it still counts for
+        commits). A journal replay passes False: the fences it saw are journal records.
+        """
+        if poll_fence:
+            self.poll_fence(info)
+        released = self.m.close_session(info.id)
+        del self._by_id[info.id]
+        self.record(["detach", info.id, reason])
+        if info.fence_page is not None:
+            info.fence_page.close(unlink=True)
+        log.info("session closed tenant=%s worker=%s reason=%s sequences=%d", info.tenant_id,
+                 info.worker_name, reason, released)
+        return released
+
+    def reap(self) -> int:
+        """Close every session whose lease has expired; returns how many."""
+        now = time.monotonic()
+        expired = [i for i in self._by_id.values() if i.expires_at < now]
+        for info in expired:
+            self.detach(info, "lease expired")
+        return len(expired)
+
+    # -- fences --------------------------------------------------------------------------------
+
+    def poll_fence(self, info: SessionInfo) -> None:
+        """Apply the fence the worker published in its fence page, clamped to those issued."""
+        if info.fence_page is None:
+            return
+        value = info.fence_page.read()
+        if value:
+            self._completed(info, self.m.complete_fence(info.id, value, clamp_to_issued=True))
+
+    def poll_fences(self) -> None:
+        for info in list(self._by_id.values()):
+            self.poll_fence(info)
+
+    def complete_fence(self, info: SessionInfo, fence: int) -> None:
+        """A fence the worker reported by RPC (Heartbeat): beyond those issued is refused."""
+        self._completed(info, self.m.complete_fence(info.id, fence))
+
+    def _completed(self, info: SessionInfo, done: int) -> None:
+        if done:
+            self.record(["fence", info.id, done])
+            self._note_fences(info, 0)
+
+    def stepped(self, info: SessionInfo, req: pb.StepRequest, resp: pb.StepResponse) -> None:
+        """After a Step was applied: its fence's announce time, its answer, a renewed lease."""
+        self._note_fences(info, req.fence)
+        info.last_step_id = req.step_id
+        info.last_response = resp
+        self.renew(info)
+
+    def _note_fences(self, info: SessionInfo, fence: int) -> None:
+        """Track when fences were announced (for the oldest-pending-fence age metric)."""
+        completed = self.m.session_view(info.id).completed_fence
+        times = info.fence_times
+        while times and times[0][0] <= completed:
+            times.popleft()
+        if fence and (not times or times[-1][0] < fence):
+            times.append((fence, time.monotonic()))
+
+    def oldest_pending_fence_age(self) -> float:
+        """Seconds since the oldest fence that still holds blocks back was announced."""
+        now = time.monotonic()
+        oldest = now
+        for info in self._by_id.values():
+            first = self.m.session_view(info.id).oldest_waiting_fence
+            if first is None:
+                continue
+            for f, t in info.fence_times:
+                if f >= first:
+                    oldest = min(oldest, t)
+                    break
+        return now - oldest
+
+    def close(self) -> None:
+        """Unmap the fence pages (their files stay for the next daemon with ``state.dir``)."""
+        for info in self._by_id.values():
+            if info.fence_page is not None:
+                info.fence_page.close()

@@ -1,0 +1,188 @@
+"""One Step: validated against the per-request limits, then applied operation by operation.
+
+``check`` runs before anything is applied: the step id (a retry is answered from the session's
+last answer, not reapplied), the operation count and a bound of the answer's size (an answer
+that cannot be sent would leave the worker with a Step applied that it never learns about).
+``apply_step`` then applies the operations in order; each operation's error becomes that
+operation's ``OperationStatus`` (``blockd.runtime.convert.operation_status``) and the others
+still apply.
+
+A journal replay (``blockd.runtime.recovery``) calls ``apply_step`` itself with ``limits=None``:
+the Step was accepted under the limits in force when it was first applied, and its answer must
+come out the same.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from blockd.api.v1 import blockd_pb2 as pb
+from blockd.core.errors import BlockdError, FailedPrecondition, InvalidArgument, ResourceExhausted
+from blockd.core.manager import BlockManager
+from blockd.core.preemption import REASON as PREEMPT_REASON
+from blockd.core.results import DoesNotFit, SessionView
+from blockd.runtime import convert
+from blockd.runtime.sessions import SessionInfo, Sessions
+
+#: An upper bound of one preemption notice's encoded size: a minted 22-character sequence id,
+#: the reason label and protobuf framing. Every pending notice goes into the session's next
+#: answer: a worker must learn of a preemption before it launches that Step's kernels, since
+#: the victim's blocks are reusable once the fence it reports completes.
+PREEMPTED_NOTICE_BYTES = 48
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The per-request limits of ``server.*`` a Step is checked against."""
+
+    max_operations_per_step: int
+    max_tokens_per_operation: int
+    max_message_bytes: int
+
+
+def check_tokens(limits: StepLimits | None, tokens: Any, field: str) -> Any:
+    """``tokens`` (a repeated uint32 field), refused if longer than the limit."""
+    if limits is not None and len(tokens) > limits.max_tokens_per_operation:
+        raise InvalidArgument(f"more than {limits.max_tokens_per_operation} token ids",
+                              field=field)
+    return tokens
+
+
+def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size: int,
+          view: SessionView) -> pb.StepResponse | None:
+    """Validate a Step before anything is applied; a retry's earlier answer, else None."""
+    if req.step_id == 0:
+        raise InvalidArgument("step_id must be >= 1", field="step_id")
+    if req.step_id == info.last_step_id and info.last_response is not None:
+        return info.last_response  # a retry: answered, not reapplied
+    if req.step_id < info.last_step_id:
+        raise FailedPrecondition(
+            f"step_id {req.step_id} is older than the last step {info.last_step_id}",
+            field="step_id")
+    limit = limits.max_operations_per_step
+    if len(req.operations) > limit:
+        raise InvalidArgument(f"more than {limit} operations", field="operations")
+    bound = answer_bound(req, block_size, view)
+    if bound > limits.max_message_bytes:
+        raise ResourceExhausted(
+            f"the answer could reach {bound} bytes, over max_message_bytes "
+            f"({limits.max_message_bytes}): split the Step", reason="message",
+            field="operations")
+    return None
+
+
+def answer_bound(req: pb.StepRequest, block_size: int, view: SessionView) -> int:
+    """A cheap upper bound of a Step's answer size, from counts alone (no op is applied).
+
+    Per operation or batch entry at most ~120 bytes of status or result (ids, counts, an
+    error field path), plus 10 bytes per block an admit or append can hand out (its id in
+    a table and again in ``scrubbed_blocks``), plus what an answer echoes (request_ids),
+    plus every preemption notice the answer can carry: those pending for the session and one
+    per sequence of the session (the step's own admits may preempt any of them).
+    """
+    B = block_size
+    entries = 0
+    blocks = 0
+    echoed = 0
+    for op in req.operations:
+        kind = op.WhichOneof("op")
+        if kind == "admit":
+            blocks += len(op.admit.token_ids) // B + 1
+            echoed += len(op.admit.request_id) * 4  # UTF-8 of a str: at most 4 bytes each
+        elif kind == "append":
+            blocks += len(op.append.token_ids) // B + 2
+        elif kind == "append_batch":
+            n = len(op.append_batch.sequence_ids)
+            entries += n
+            blocks += len(op.append_batch.token_ids) // B + 2 * n
+        elif kind == "fork":
+            entries += min(op.fork.num_children, 64)
+    notices = PREEMPTED_NOTICE_BYTES * (view.num_unreported_preemptions + view.num_sequences)
+    return 256 + 120 * (len(req.operations) + entries) + 10 * blocks + echoed + notices
+
+
+def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.StepRequest, *,
+               epoch: int, limits: StepLimits | None, errors: Counter[str]) -> pb.StepResponse:
+    """Apply a checked Step; the answer lists the blocks to zero (``scrubbed_blocks``), which
+    the caller zeroes in a live Step and not in a replay (workers wrote to them since).
+
+    ``errors`` counts the failed operations and batch entries by status name.
+    """
+    sid = info.id
+    m.begin_step(sid, req.fence, req.completed_fence)
+    resp = pb.StepResponse(step_id=req.step_id, epoch=epoch)
+    copies = resp.copies
+    for i, op in enumerate(req.operations):
+        kind = op.WhichOneof("op")
+        result = resp.results.add()
+        try:
+            if kind == "append_batch":
+                for code in _append_batch(m, sid, i, op.append_batch, req.fence, result,
+                                          copies, limits):
+                    errors[convert.status_name(code)] += 1
+            elif kind == "append":
+                tokens = check_tokens(limits, op.append.token_ids, "token_ids")
+                out = m.append(sid, op.append.sequence_id, tokens, req.fence)
+                if isinstance(out, DoesNotFit):
+                    _failed(result, out, i, kind, errors)
+                else:
+                    convert.append_result(result.append, op.append.sequence_id, out, copies)
+            elif kind == "admit":
+                a = op.admit
+                convert.check_id(a.request_id, "request_id", required=False)
+                admitted = m.admit(sid, convert.scope(a.namespace),
+                                   check_tokens(limits, a.token_ids, "token_ids"),
+                                   cache=not a.disable_prefix_cache, priority=a.priority)
+                if isinstance(admitted, DoesNotFit):
+                    _failed(result, admitted, i, kind, errors)
+                else:
+                    convert.admit_result(result.admit, admitted, a.request_id)
+            elif kind == "release":
+                n = m.release(sid, op.release.sequence_id, req.fence)
+                result.release.num_blocks_released = n
+            elif kind == "commit":
+                n = m.commit(sid, op.commit.sequence_id, req.fence)
+                result.commit.num_blocks_committed = n
+            elif kind == "fork":
+                children = m.fork(sid, op.fork.sequence_id, op.fork.num_children)
+                result.fork.child_sequence_ids.extend(children)
+            else:
+                raise InvalidArgument("operation has no op set", field="op")
+        except BlockdError as err:
+            _failed(result, err, i, kind, errors)
+    for seq_id in m.take_preempted(sid):
+        resp.preempted.add(sequence_id=seq_id, reason=PREEMPT_REASON)
+    resp.scrubbed_blocks.extend(m.take_scrubbed())
+    sessions.stepped(info, req, resp)
+    return resp
+
+
+def _failed(result: pb.OperationResult, err: BlockdError | DoesNotFit, index: int,
+            kind: str | None, errors: Counter[str]) -> None:
+    """One operation failed: its result is only the status; the others still apply."""
+    result.Clear()
+    field = ""
+    if isinstance(err, BlockdError):
+        prefix = f"operations[{index}].{kind}." if kind else f"operations[{index}]."
+        field = prefix + convert.proto_field(err.field)
+    convert.operation_status(result.status, err, field)
+    errors[convert.status_name(result.status.code)] += 1
+
+
+def _append_batch(m: BlockManager, sid: str, index: int, op: pb.AppendBatchOp, fence: int,
+                  result: pb.OperationResult, copies: Any, limits: StepLimits | None
+                  ) -> list[int]:
+    ids = list(op.sequence_ids)
+    if not ids:
+        raise InvalidArgument("needs at least one sequence id", field="sequence_ids")
+    if limits is not None and len(ids) > limits.max_operations_per_step:
+        raise InvalidArgument(f"more than {limits.max_operations_per_step} sequence ids",
+                              field="sequence_ids")
+    counts = list(op.num_tokens) or None
+    raw = array("I", check_tokens(limits, op.token_ids, "token_ids")).tobytes()
+    out = m.append_batch(sid, ids, raw, counts, fence)
+    return convert.append_batch_result(result.append_batch, out,
+                                       f"operations[{index}].append_batch.", copies)
