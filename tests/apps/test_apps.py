@@ -1,13 +1,8 @@
-"""The applications package (``apps/blockd_apps``) sits above every library, and its commands
-are wired.
-
-The layering is read from the sources with ``ast``, so an import inside a function (the CLI's
-lazy ones, say) counts as much as one at the top of a module.
-"""
+"""The applications package's commands are wired (``apps/blockd_apps``). That it sits above
+every library is checked with the rest of the layout in ``tests/test_architecture.py``."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -15,32 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def imported_packages(path: Path) -> set[str]:
-    """Top-level package of every absolute import in ``path``."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
-    return out
-
-
-@pytest.mark.parametrize(("library", "forbidden"), [
-    ("blockd", {"blockd_client", "blockd_apps"}),
-    ("clients/blockd_client", {"blockd_apps"}),
-    ("gpu/blockd_gpu", {"blockd_apps"}),
-], ids=["daemon", "client", "kernels"])
-def test_no_library_imports_an_application(library: str, forbidden: set[str]) -> None:
-    """The daemon also never imports the client library: the demo and the load generator,
-    which need both, are applications."""
-    files = sorted((ROOT / library).rglob("*.py"))
-    assert files
-    bad = [f"{p.relative_to(ROOT)}: {sorted(hits)}" for p in files
-           if (hits := imported_packages(p) & forbidden)]
-    assert not bad, "\n".join(bad)
 
 
 def test_python_m_blockd_apps_is_the_blockd_command() -> None:
