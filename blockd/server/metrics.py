@@ -1,10 +1,16 @@
 """Prometheus metrics, served over HTTP from the daemon's event loop.
 
-Names follow Prometheus conventions: base units, ``_total`` counters, and bounded labels (a
-tenant label only for configured tenants). The prefix-cache hit rate, the vLLM convention::
+Names follow Prometheus conventions, so that ``promtool check metrics`` passes on a live scrape
+(tests/deploy/test_live_metrics.py): base units, ``_total`` only on counters (the pool's size is
+the gauge ``blockd_pool_blocks``, not ``blockd_blocks_total``), and bounded labels (a tenant label
+only for configured tenants). The prefix-cache hit rate, the vLLM convention, is recorded by
+deploy/prometheus/blockd-rules.yaml as ``blockd:prefix_cache_hit_rate:ratio_rate5m``::
 
     rate(blockd_prefix_cache_hit_tokens_total[5m])
       / rate(blockd_prefix_cache_queried_tokens_total[5m])
+
+The registry is private (nothing a library registers globally leaks in), so the standard
+``process_*``, ``python_info`` and ``python_gc_*`` collectors are added to it explicitly.
 
 Most values are read at scrape time by a custom collector, through the public queries of the
 runtime (``blockd.runtime.daemon.Daemon``) and the core (``BlockManager.state_counts``,
@@ -20,7 +26,14 @@ import platform
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -29,11 +42,29 @@ import blockd
 
 if TYPE_CHECKING:
     from blockd.runtime.daemon import Daemon
+    from blockd.runtime.kv_events import KvEventPublisher
 
 log = logging.getLogger("blockd.metrics")
 
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                 0.5, 1.0)
+
+#: ``KvEventPublisher.stats()`` key -> (metric family, type, help). Exported only with events on.
+KV_EVENT_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("published_batches", "blockd_kv_event_batches_published", "counter",
+     "KV-event batches sent on the ZMQ PUB socket (vLLM's KVEventBatch)."),
+    ("published_events", "blockd_kv_events_published", "counter",
+     "vLLM KV events (BlockStored, BlockRemoved, AllBlocksCleared) in the published batches."),
+    ("dropped_batches", "blockd_kv_event_batches_dropped", "counter",
+     "KV-event batches lost before a subscriber could see them (a full queue, a failed "
+     "encoding, a send the PUB socket refused): subscribers' indexes are incomplete."),
+    ("dropped_events", "blockd_kv_events_dropped", "counter",
+     "blockd events dropped by a full queue or a failed encoding (no replay has them)."),
+    ("replays_served", "blockd_kv_event_replays_served", "counter",
+     "Replay requests answered on the replay (ROUTER) socket."),
+    ("subscribers", "blockd_kv_event_subscribers", "gauge",
+     "Peers connected to the KV-event PUB socket now."),
+)
 
 
 class Metrics:
@@ -41,6 +72,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # process_* (CPU, memory, fds, start time)
+        PlatformCollector(registry=self.registry)  # python_info
+        GCCollector(registry=self.registry)  # python_gc_*
+        #: The daemon served, set by ``bind``; ``/healthz`` reads its drain state.
+        self.daemon: Daemon | None = None
         self.step_seconds = Histogram("blockd_step_duration_seconds",
                                       "Time the daemon spent applying one Step.",
                                       buckets=STEP_BUCKETS, registry=self.registry)
@@ -48,11 +84,35 @@ class Metrics:
         self.invariant_checks = 0
         self.invariant_violations = 0
 
-    def bind(self, daemon: Daemon) -> None:
+    def bind(self, daemon: Daemon, events: KvEventPublisher | None = None) -> None:
+        """Export ``daemon``'s state and, when events are on, the KV-event publisher's counters."""
+        self.daemon = daemon
         self.registry.register(_DaemonCollector(daemon, self))
+        if events is not None:
+            self.registry.register(_KvEventsCollector(events))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def health(self) -> tuple[str, bytes]:
+        """``/healthz``: 503 once the daemon drains (SIGTERM), so that an HTTP load balancer or
+        readiness check stops sending new work while attached workers finish; 200 otherwise."""
+        if self.daemon is not None and self.daemon.draining:
+            return "503 Service Unavailable", b"draining\n"
+        return "200 OK", b"ok\n"
+
+
+class _KvEventsCollector(Collector):
+    """The publisher's ``stats()``, read at scrape time (its counters live in its threads)."""
+
+    def __init__(self, publisher: KvEventPublisher) -> None:
+        self.publisher = publisher
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.publisher.stats()
+        for key, name, kind, doc in KV_EVENT_METRICS:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, doc, value=stats[key])
 
 
 class _DaemonCollector(Collector):
@@ -69,7 +129,8 @@ class _DaemonCollector(Collector):
         for state, n in counts.items():
             g.add_metric([state], n)
         yield g
-        yield GaugeMetricFamily("blockd_blocks_total", "KV blocks in the pool.",
+        yield GaugeMetricFamily("blockd_pool_blocks",
+                                "KV blocks in the pool (the sum of blockd_blocks over states).",
                                 value=spec.num_blocks)
         used = spec.num_blocks - counts["free"] - counts["cached"]
         yield GaugeMetricFamily("blockd_block_usage_ratio",
@@ -168,7 +229,7 @@ class _DaemonCollector(Collector):
 
 
 async def serve_http(metrics: Metrics, host: str, port: int) -> asyncio.Server:
-    """A minimal HTTP/1.1 server for GET /metrics (and /healthz) on the event loop."""
+    """A minimal HTTP/1.1 server for GET /metrics and /healthz on the event loop."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -180,8 +241,8 @@ async def serve_http(metrics: Metrics, host: str, port: int) -> asyncio.Server:
             elif path.split("?")[0] == "/metrics":
                 status, body = "200 OK", metrics.render()
                 ctype = "text/plain; version=0.0.4; charset=utf-8"
-            elif path == "/healthz":
-                status, body, ctype = "200 OK", b"ok\n", "text/plain"
+            elif path.split("?")[0] == "/healthz":
+                (status, body), ctype = metrics.health(), "text/plain"
             else:
                 status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
             head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"

@@ -7,8 +7,10 @@ the daemon actually exports, spelled the way Prometheus stores it.
 metric family and type. The suffixes are derived from the family's TYPE, never guessed from the
 name: a counter family ``x`` is stored as ``x_total`` (``x`` alone does not exist), a histogram
 ``h`` as ``h_bucket``/``h_sum``/``h_count`` (``h`` alone does not exist), and a *gauge* that
-happens to be called ``blockd_blocks_total`` keeps its name (it is not a counter ``blockd_blocks``).
-Families declared without samples (a labelled counter nothing has incremented yet) still count.
+happens to be called ``x_total`` keeps its name (it is not a counter ``x``; blockd has none since
+``promtool check metrics`` rejects them). Families declared without samples (a labelled counter
+nothing has incremented yet) still count. Names with a colon (``blockd:...:ratio``) are recording
+rules, never exported by a daemon.
 """
 
 from __future__ import annotations

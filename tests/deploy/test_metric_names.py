@@ -1,12 +1,14 @@
-"""Every metric the Grafana dashboard and the alert rules query exists in a real daemon's scrape."""
+"""Every metric the Grafana dashboard and the rules query exists in a real daemon's scrape, or is
+a recording rule of deploy/prometheus/blockd-rules.yaml."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
-from daemon_proc import Daemon
-from deploy_support import DASHBOARD, dashboard_queries, http_get, rule_queries
+from daemon_proc import Daemon, start
+from deploy_support import DASHBOARD, RULES, dashboard_queries, http_get, rule_queries
 from promql_names import exposed_series, metric_names, substitute_grafana
 
 
@@ -17,8 +19,14 @@ def scrape(d: Daemon) -> str:
 # -- the extractor and the exposition parser themselves ----------------------------------------
 
 @pytest.mark.parametrize(("expr", "names"), [
-    ('sum without (state) (blockd_blocks{state=~"free|cached"}) / blockd_blocks_total < 0.05',
-     {"blockd_blocks", "blockd_blocks_total"}),
+    ('sum without (state) (blockd_blocks{state=~"free|cached"}) / blockd_pool_blocks < 0.05',
+     {"blockd_blocks", "blockd_pool_blocks"}),
+    ("blockd:prefix_cache_hit_rate:ratio_rate15m < 0.5 * (blockd:x:ratio_rate6h offset 15m)",
+     {"blockd:prefix_cache_hit_rate:ratio_rate15m", "blockd:x:ratio_rate6h"}),
+    ('max by (pod) (blockd:blocks_available:ratio{pod=~"$pod"})',
+     {"blockd:blocks_available:ratio"}),
+    ("sum by (pod) (rate(process_cpu_seconds_total[1m]) and on (instance) blockd_build_info)",
+     {"process_cpu_seconds_total", "blockd_build_info"}),
     ("histogram_quantile(0.99, sum by (le) (rate(blockd_step_duration_seconds_bucket"
      '{pod=~"$pod"}[$__rate_interval])))', {"blockd_step_duration_seconds_bucket"}),
     ("rate(a_total[6h] offset 15m) / rate(b_total[15m]) > 1 and on (pod) c > bool 1e3",
@@ -65,8 +73,24 @@ def test_grafana_substitution_gives_plain_promql() -> None:
 
 # -- against the real daemon -------------------------------------------------------------------
 
-def test_every_queried_metric_is_exported_by_the_daemon(daemon: Daemon) -> None:
-    series = exposed_series(scrape(daemon))
+@pytest.fixture(scope="module")
+def with_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon with KV events on: the dashboard's KV-event panels query its publisher metrics."""
+    d = start(tmp_path_factory.mktemp("blockd-events"),
+              extra={"events": {"zmq_endpoint": "tcp://127.0.0.1:*",
+                                "topic": "kv@metrics-test@tiny"}})
+    yield d
+    d.stop()
+
+
+def recorded_names() -> set[str]:
+    return {w.split(" ", 1)[1] for w in rule_queries(RULES) if w.startswith("rule blockd:")}
+
+
+def test_every_queried_metric_is_exported_by_the_daemon(with_events: Daemon) -> None:
+    series = exposed_series(scrape(with_events))
+    recorded = recorded_names()
+    assert recorded, "the rules file records nothing"
     queries = {**dashboard_queries(), **rule_queries()}
     assert any(w.startswith("rule ") for w in queries)
     assert any(w.startswith("panel ") for w in queries)
@@ -78,16 +102,29 @@ def test_every_queried_metric_is_exported_by_the_daemon(daemon: Daemon) -> None:
             problems.append(f"{where}: no metric name found in {expr!r}")
         for name in sorted(names):
             used.add(name)
-            if name not in series:
+            if ":" in name:  # a recorded series: it must be one of ours
+                if name not in recorded:
+                    problems.append(f"{where}: {name} is not recorded by {RULES.name}")
+            elif name not in series:
                 problems.append(f"{where}: {name} is not exported by blockd")
     assert not problems, "\n".join(problems)
-    # The dashboard covers what the issue asks for.
+    # The dashboard and the rules cover what the issue asks for.
     for must in ("blockd_blocks", "blockd_prefix_cache_hit_tokens_total",
                  "blockd_prefix_cache_queried_tokens_total", "blockd_evictions_total",
                  "blockd_cow_copies_total", "blockd_step_duration_seconds_bucket",
                  "blockd_tenant_used_blocks", "blockd_oldest_pending_fence_age_seconds",
-                 "blockd_tenant_quota_blocks", "blockd_allocation_failures_total"):
+                 "blockd_tenant_quota_blocks", "blockd_allocation_failures_total",
+                 "blockd:prefix_cache_hit_rate:ratio_rate5m", "blockd:tenant_quota_usage:ratio",
+                 "blockd_kv_event_batches_published_total",
+                 "blockd_kv_event_batches_dropped_total", "blockd_kv_event_subscribers",
+                 "process_cpu_seconds_total", "process_resident_memory_bytes"):
         assert must in used, must
+
+
+def test_an_unknown_recorded_name_is_reported() -> None:
+    """A control: the check above really tells a recording rule from a typo of one."""
+    assert "blockd:prefix_cache_hit_rate:ratio_rate5m" in recorded_names()
+    assert "blockd:prefix_cache_hit_rate:ratio_rate1m" not in recorded_names()
 
 
 def test_dashboard_is_well_formed() -> None:

@@ -1,7 +1,8 @@
 """A real Prometheus scrapes a real daemon every second while a workload runs through it; the
-prefix-cache hit rate read back through Prometheus' HTTP API matches the daemon's own counters.
-The same Prometheus loads the alert rules and evaluates every dashboard query, so both are shown
-to be valid PromQL against real series, not only against promtool's synthetic ones."""
+prefix-cache hit rate read back through Prometheus' HTTP API, computed from the raw counters and
+as recorded by the recording rules, matches the daemon's own counters. The same Prometheus loads
+the rules (recording and alerting) and evaluates every dashboard query, so both are shown to be
+valid PromQL against real series, not only against promtool's synthetic ones."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 from daemon_proc import Daemon, Worker, commit, md, release, start
-from deploy_support import APT_HINT, DEPLOY, dashboard_queries, http_get, require_tool
+from deploy_support import APT_HINT, RULES, dashboard_queries, http_get, require_tool
 from promql_names import substitute_grafana
 
 from blockd.api.v1 import blockd_pb2 as pb
@@ -25,6 +26,7 @@ from blockd_apps.launch import terminate
 
 HIT = "blockd_prefix_cache_hit_tokens_total"
 QUERIED = "blockd_prefix_cache_queried_tokens_total"
+RECORDED_HIT_RATE = "blockd:prefix_cache_hit_rate:ratio_rate5m"
 TOLERANCE = 0.02
 T = TypeVar("T")
 
@@ -87,7 +89,7 @@ def prometheus(blockd: Daemon, tmp_path: Path) -> Iterator[Prometheus]:
     config.write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
                    "evaluation_interval": "1s"},
-        "rule_files": [str(DEPLOY / "prometheus" / "blockd-rules.yaml")],
+        "rule_files": [str(RULES)],
         "scrape_configs": [{"job_name": "blockd",
                             "static_configs": [{"targets": [blockd.endpoints["metrics"]]}]}],
     }))
@@ -166,6 +168,19 @@ def test_hit_rate_through_prometheus_matches_the_daemon(blockd: Daemon,
     assert abs(by_rate - expected) <= TOLERANCE, (by_rate, expected)
     assert abs(by_increase - expected) <= TOLERANCE, (by_increase, expected)
 
+    # The recording rule, once evaluated after the final scrape, says the same. Its 5-minute
+    # window holds the whole run from the first (zero) sample, so it is the run's exact ratio.
+    final_scrape = prometheus.scalar(f"max(timestamp({QUERIED}))")
+    assert final_scrape is not None
+    wait_for("a rule evaluation after the final scrape", lambda: True if (
+        (ts := prometheus.scalar(f"timestamp({RECORDED_HIT_RATE})")) is not None
+        and ts > final_scrape) else None)
+    recorded = prometheus.scalar(RECORDED_HIT_RATE)
+    assert recorded is not None and abs(recorded - expected) <= TOLERANCE, (recorded, expected)
+    # Any other value would be caught: the daemon's ratio is not 0.5 and not 1 (a rule that
+    # divided the wrong counters, or one by itself).
+    assert abs(expected - 1) > TOLERANCE and abs(expected - queried / hits) > TOLERANCE
+
     # Every dashboard query is valid PromQL and evaluates against the real series.
     for where, expr in dashboard_queries().items():
         if where.startswith("variable"):
@@ -181,7 +196,9 @@ def test_hit_rate_through_prometheus_matches_the_daemon(blockd: Daemon,
         return rules if rules and all(r["health"] != "unknown" for r in rules) else None
 
     rules = wait_for("a rule evaluation", rules_evaluated)
-    assert len(rules) == 6
+    defined = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+    assert len(rules) == len(defined) == 13
+    assert {r["type"] for r in rules} == {"recording", "alerting"}
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError"))
                                                      for r in rules]
     assert time.monotonic() - started < 60

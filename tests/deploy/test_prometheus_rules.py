@@ -1,4 +1,5 @@
-"""The alert rules: promtool accepts and unit-tests them, and the Kubernetes copy is identical."""
+"""The recording and alert rules: promtool accepts and unit-tests them, the alerts and the
+dashboard read the recording rules, and the Kubernetes copy is identical."""
 
 from __future__ import annotations
 
@@ -9,20 +10,37 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_support import APT_HINT, DEPLOY, ROOT, one, require_tool
+from deploy_support import APT_HINT, DEPLOY, ROOT, dashboard_queries, one, require_tool
+from promql_names import metric_names
 
 RULES_DIR = DEPLOY / "prometheus"
 RULES = RULES_DIR / "blockd-rules.yaml"
 RULES_TEST = RULES_DIR / "blockd-rules.test.yaml"
-#: alert -> metrics its expression must use (the issue's list of alerts).
+#: alert -> metrics its expression must use, directly or through a recording rule (the issue's
+#: list of alerts).
 REQUIRED_ALERTS = {
-    "BlockdFreeBlocksLow": ("blockd_blocks", "blockd_blocks_total"),
+    "BlockdFreeBlocksLow": ("blockd_blocks", "blockd_pool_blocks"),
     "BlockdPrefixHitRateDropped": ("blockd_prefix_cache_hit_tokens_total",
                                    "blockd_prefix_cache_queried_tokens_total"),
     "BlockdAllocationFailures": ("blockd_allocation_failures_total",),
     "BlockdPendingFenceStuck": ("blockd_oldest_pending_fence_age_seconds",),
     "BlockdTenantAtQuota": ("blockd_tenant_used_blocks", "blockd_tenant_quota_blocks"),
     "BlockdInvariantViolated": ("blockd_invariant_violations_total",),
+}
+#: recording rule -> metrics it is computed from (hit rate and usage, the issue's list).
+REQUIRED_RECORDS = {
+    "blockd:prefix_cache_hit_tokens:rate5m": ("blockd_prefix_cache_hit_tokens_total",),
+    "blockd:prefix_cache_queried_tokens:rate5m": ("blockd_prefix_cache_queried_tokens_total",),
+    "blockd:prefix_cache_hit_rate:ratio_rate5m": ("blockd_prefix_cache_hit_tokens_total",
+                                                  "blockd_prefix_cache_queried_tokens_total"),
+    "blockd:prefix_cache_hit_rate:ratio_rate15m": ("blockd_prefix_cache_hit_tokens_total",
+                                                   "blockd_prefix_cache_queried_tokens_total"),
+    "blockd:prefix_cache_hit_rate:ratio_rate6h": ("blockd_prefix_cache_hit_tokens_total",
+                                                  "blockd_prefix_cache_queried_tokens_total"),
+    "blockd:blocks_available:ratio": ("blockd_blocks", "blockd_pool_blocks"),
+    "blockd:tenant_quota_usage:ratio": ("blockd_tenant_used_blocks",
+                                        "blockd_tenant_cached_blocks",
+                                        "blockd_tenant_quota_blocks"),
 }
 
 
@@ -36,10 +54,30 @@ def alerts(groups: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
 
 
+def records(groups: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["record"]: r for g in groups for r in g["rules"] if "record" in r}
+
+
+def expanded_names(expr: str, recorded: dict[str, dict[str, Any]]) -> set[str]:
+    """The metric names ``expr`` reads, with every recording rule it uses replaced by the names
+    its own expression reads (transitively)."""
+    out: set[str] = set()
+    todo = list(metric_names(expr))
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        out.add(name)
+        if name in recorded:
+            todo.extend(metric_names(recorded[name]["expr"]))
+    return out
+
+
 def test_promtool_check_rules() -> None:
     proc = promtool("check", "rules", str(RULES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"SUCCESS: {len(REQUIRED_ALERTS)} rules found" in proc.stdout
+    n = len(REQUIRED_ALERTS) + len(REQUIRED_RECORDS)
+    assert f"SUCCESS: {n} rules found" in proc.stdout
 
 
 def test_promtool_unit_tests_pass() -> None:
@@ -49,17 +87,45 @@ def test_promtool_unit_tests_pass() -> None:
 
 
 def test_every_alert_is_required_unit_tested_and_documented() -> None:
-    from promql_names import metric_names
-
-    rules = alerts(yaml.safe_load(RULES.read_text())["groups"])
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    rules, recorded = alerts(groups), records(groups)
     assert set(rules) == set(REQUIRED_ALERTS)
     for name, metrics in REQUIRED_ALERTS.items():
-        assert set(metrics) <= metric_names(rules[name]["expr"]), name
+        assert set(metrics) <= expanded_names(rules[name]["expr"], recorded), name
     tested = {t["alertname"] for case in yaml.safe_load(RULES_TEST.read_text())["tests"]
               for t in case.get("alert_rule_test", []) if t.get("exp_alerts")}
     assert tested == set(rules), "every alert needs a unit test in which it fires"
     ops = (ROOT / "docs" / "operations.md").read_text()
     for name in rules:
+        assert f"`{name}`" in ops, f"docs/operations.md does not explain {name}"
+
+
+def test_every_recording_rule_is_required_unit_tested_used_and_documented() -> None:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    recorded = records(groups)
+    assert set(recorded) == set(REQUIRED_RECORDS)
+    for name, metrics in REQUIRED_RECORDS.items():
+        assert set(metrics) <= expanded_names(recorded[name]["expr"], recorded), name
+        assert name.count(":") == 2 and name.startswith("blockd:"), f"{name}: level:metric:ops"
+    # Each is checked for its values (promql_expr_test selects it by name, in which it has
+    # a sample) ...
+    tested = {t["expr"].strip() for case in yaml.safe_load(RULES_TEST.read_text())["tests"]
+              for t in case.get("promql_expr_test", []) if t.get("exp_samples")}
+    assert set(recorded) <= tested, sorted(set(recorded) - tested)
+    # ... and read by an alert, by the dashboard or by another recording rule.
+    readers = [r["expr"] for g in groups for r in g["rules"]] + list(dashboard_queries().values())
+    read = set().union(*(metric_names(e) for e in readers))
+    assert set(recorded) <= read, sorted(set(recorded) - read)
+    # Rules are evaluated in order within a group: a rule reads only rules recorded before it.
+    seen: set[str] = set()
+    for g in groups:
+        for r in g["rules"]:
+            early = (metric_names(r["expr"]) & set(recorded)) - seen
+            assert not early, f"{r.get('alert') or r.get('record')} reads {early} before it"
+            if "record" in r:
+                seen.add(r["record"])
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    for name in recorded:
         assert f"`{name}`" in ops, f"docs/operations.md does not explain {name}"
 
 
@@ -84,7 +150,7 @@ def test_generated_prometheusrule_is_up_to_date() -> None:
 
 @pytest.mark.parametrize("broken", [
     "rate(blockd_evictions_total[5m] > 0",  # unbalanced
-    "blockd_blocks_total > on() bool",  # dangling operator
+    "blockd_pool_blocks > on() bool",  # dangling operator
 ])
 def test_promtool_really_rejects_bad_rules(broken: str, tmp_path: Path) -> None:
     """A control: a syntax error in an expression fails `promtool check rules`."""
