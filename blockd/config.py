@@ -3,6 +3,12 @@
 Precedence, lowest first: the defaults below, the YAML file (``--config``), environment variables
 ``BLOCKD_<SECTION>_<FIELD>`` (read here and nowhere else), then command-line flags
 ``--<section>-<field>``. Flags and environment variables map 1:1 onto the fields below.
+
+Every field is declared with ``option(default, "what it does")`` (``blockd.options``, the
+mechanism): that one description is the flag's ``--help`` line, the row of the table in
+docs/operations.md (``tools/config_docs.py`` writes it) and the hint in an error about the
+field. A refused value names the field and where it came from (the YAML file, the environment
+variable or the flag).
 """
 
 from __future__ import annotations
@@ -10,60 +16,146 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import types
-import typing
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from blockd import wire
+from blockd import options, wire
 from blockd.core.errors import InvalidArgument
 from blockd.core.spec import PoolSpec
+from blockd.options import Setting, option
 
 ENV_PREFIX = "BLOCKD_"
+#: ``BLOCKD_*`` variables that are not the daemon's configuration but blockctl's and
+#: ``blockd_client``'s (so a daemon started beside them does not warn about them).
+CLIENT_ENV = ("BLOCKD_TARGET", "BLOCKD_TOKEN", "BLOCKD_TOKEN_FILE", "BLOCKD_HANDLE_SOCKET")
+#: The longest Unix socket path the kernel takes (``sun_path`` is 108 bytes, NUL included).
+MAX_UNIX_PATH = 107
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("kv", "json")
+
+
+# -- the default socket paths (shared with blockctl) ------------------------------------------
+
+def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``${XDG_RUNTIME_DIR:-/tmp}/blockd-<uid>``: where the default sockets live.
+
+    Absolute, so a daemon and a ``blockctl`` started in different directories meet; per user,
+    so two users' daemons do not collide. The daemon creates it 0700 and refuses one owned by
+    another user or open to others (``blockd.server.endpoints``). Only computed here.
+    """
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_RUNTIME_DIR", "")
+    if not os.path.isabs(base):
+        base = "/tmp"
+    return Path(base) / f"blockd-{os.getuid()}"
+
+
+def default_unix_socket() -> str:
+    """The gRPC Unix socket a daemon listens on and blockctl dials by default."""
+    return str(runtime_dir() / "blockd.sock")
+
+
+def default_handle_socket() -> str:
+    """The handle socket (pool file descriptors) a daemon serves by default."""
+    return str(runtime_dir() / "blockd-pool.sock")
+
+
+def _check_address(value: str, where: str) -> None:
+    """``host:port`` (``[v6]:port``), port 0..65535; "" is allowed (disabled)."""
+    if not value:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(f"{where}: expected HOST:PORT with a port in 0..65535, got "
+                              f"{value!r}", field=where)
+
+
+def _check_socket_path(cfg: Any, name: str, where: str) -> None:
+    """Made absolute (so workers and blockctl elsewhere find it) and short enough to bind."""
+    value = getattr(cfg, name)
+    if not value:
+        return
+    path = os.path.abspath(value)
+    if len(path.encode()) > MAX_UNIX_PATH:
+        raise InvalidArgument(f"{where}: {path!r} is {len(path.encode())} bytes; a Unix socket "
+                              f"path is at most {MAX_UNIX_PATH}", field=where)
+    object.__setattr__(cfg, name, path)
+
+
+def _check_positive(cfg: Any, section: str, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not value > 0:
+            raise InvalidArgument(f"{section}.{name}: must be positive, got {value}",
+                                  field=f"{section}.{name}")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Where and how the gRPC server listens."""
 
-    #: Unix socket for workers on the same node ("" disables it).
-    unix_socket: str = "run/blockd.sock"
-    #: host:port for health checks and remote clients ("" disables TCP; port 0 picks one).
-    tcp_address: str = "127.0.0.1:50051"
-    #: Unix socket from which attached workers receive the pool's file descriptor.
-    handle_socket: str = "run/blockd-pool.sock"
-    #: Seconds in-flight calls get to finish after SIGTERM before the server stops.
-    grace_seconds: float = 5.0
-    #: Largest request or response message, bytes.
-    max_message_bytes: int = 16 * 1024 * 1024
-    #: Most operations in one Step.
-    max_operations_per_step: int = 4096
-    #: Most token ids in one operation (an admitted prompt or an append).
-    max_tokens_per_operation: int = 1 << 20
-    #: Most concurrently attached sessions.
-    max_sessions: int = 1024
-    #: Check every invariant of the block manager after each mutating call (O(num_blocks):
-    #: for tests and debugging; a violation is logged and answered with INTERNAL).
-    check_invariants: bool = False
-    #: Check every invariant every this many milliseconds, between calls (0: never). Cheaper
-    #: than ``check_invariants`` under load; violations are logged and counted in
-    #: ``blockd_invariant_violations_total``, and the daemon keeps serving.
-    invariant_check_interval_ms: float = 0.0
-    #: Also serve ``/blockd.bench.Echo/Echo`` (returns its request bytes): the transport
-    #: baseline the Step benchmark compares against. Off in production.
-    enable_echo: bool = False
+    unix_socket: str = option(
+        factory=default_unix_socket,
+        doc="Unix socket for workers and blockctl on the same node (\"\" disables it). The "
+            "default is ${XDG_RUNTIME_DIR:-/tmp}/blockd-<uid>/blockd.sock; a path held by a "
+            "running daemon is refused.")
+    tcp_address: str = option(
+        "127.0.0.1:50051",
+        "host:port for health checks and remote clients (\"\" disables TCP; port 0 picks one).")
+    handle_socket: str = option(
+        factory=default_handle_socket,
+        doc="Unix socket from which attached workers receive the pool's file descriptors "
+            "(\"\" disables it). The default is ${XDG_RUNTIME_DIR:-/tmp}/blockd-<uid>/"
+            "blockd-pool.sock.")
+    grace_seconds: float = option(
+        5.0, "Seconds attached workers get to finish after SIGTERM before the server stops.")
+    max_message_bytes: int = option(16 * 1024 * 1024,
+                                    "Largest gRPC request or response message, bytes.")
+    max_operations_per_step: int = option(4096, "Most operations in one Step.")
+    max_tokens_per_operation: int = option(
+        1 << 20, "Most token ids in one operation (an admitted prompt or an append).")
+    max_sessions: int = option(1024, "Most concurrently attached sessions.")
+    check_invariants: bool = option(
+        False, "Check every block-manager invariant after each mutating call (O(num_blocks): "
+               "for tests and debugging; a violation is logged and answered with INTERNAL).")
+    invariant_check_interval_ms: float = option(
+        0.0, "Check every invariant every this many milliseconds, between calls (0: never); "
+             "cheaper than check_invariants under load. Violations are logged and counted in "
+             "blockd_invariant_violations_total, and the daemon keeps serving.")
+    enable_echo: bool = option(
+        False, "Also serve /blockd.bench.Echo/Echo (returns its request bytes): the transport "
+               "baseline of the Step benchmark. Off in production.")
+
+    def __post_init__(self) -> None:
+        _check_socket_path(self, "unix_socket", "server.unix_socket")
+        _check_socket_path(self, "handle_socket", "server.handle_socket")
+        if self.unix_socket and self.unix_socket == self.handle_socket:
+            raise InvalidArgument("server.handle_socket: must differ from server.unix_socket",
+                                  field="server.handle_socket")
+        _check_address(self.tcp_address, "server.tcp_address")
+        if not self.grace_seconds >= 0:
+            raise InvalidArgument(f"server.grace_seconds: must not be negative, got "
+                                  f"{self.grace_seconds}", field="server.grace_seconds")
+        _check_positive(self, "server", "max_message_bytes", "max_operations_per_step",
+                        "max_tokens_per_operation", "max_sessions")
+        if not self.invariant_check_interval_ms >= 0:
+            raise InvalidArgument("server.invariant_check_interval_ms: must not be negative, "
+                                  f"got {self.invariant_check_interval_ms}",
+                                  field="server.invariant_check_interval_ms")
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
     """The Prometheus endpoint."""
 
-    #: host:port serving /metrics ("" disables it; port 0 picks one).
-    address: str = "127.0.0.1:9400"
+    address: str = option("127.0.0.1:9400",
+                          "host:port serving /metrics and /healthz (\"\" disables it; port 0 "
+                          "picks one).")
+
+    def __post_init__(self) -> None:
+        _check_address(self.address, "metrics.address")
 
 
 @dataclass(frozen=True)
@@ -74,23 +166,21 @@ class PoolConfig:
     ``KvLayout`` apply: a config no worker could attach to is refused at load.
     """
 
-    #: "host" (POSIX shared memory) or "cuda" (CUDA VMM through cuda-python).
-    backend: str = "host"
-    #: Tokens per block: a power of two in 1..256.
-    block_size: int = 16
-    #: Physical blocks (the default is 64 MiB with the layout below).
-    num_blocks: int = 1024
-    num_layers: int = 4
-    #: KV heads per tensor-parallel shard.
-    num_kv_heads: int = 4
-    head_dim: int = 64
-    #: float32, float16 or bfloat16 (float8_e4m3 is refused: the kernels have no FP8 path).
-    dtype: str = "float16"
-    tp_size: int = 1
-    #: Touch every page at creation, so the first steps do not pay for page faults.
-    prefault: bool = False
-    #: How often the daemon reads the sessions' fence pages, milliseconds.
-    fence_poll_ms: float = 2.0
+    backend: str = option("host", "\"host\" (POSIX shared memory) or \"cuda\" (CUDA VMM through "
+                                  "cuda-python).")
+    block_size: int = option(16, "Tokens per block: a power of two in 1..256.")
+    num_blocks: int = option(1024, "Physical blocks in the pool (the default is 64 MiB with "
+                                   "the default layout).")
+    num_layers: int = option(4, "Transformer layers whose K/V the pool holds.")
+    num_kv_heads: int = option(4, "KV heads per layer held by one tensor-parallel shard.")
+    head_dim: int = option(64, "Elements per attention head.")
+    dtype: str = option("float16", "KV element type: float32, float16 or bfloat16 (float8_e4m3 "
+                                   "is refused: the kernels have no FP8 path).")
+    tp_size: int = option(1, "Tensor-parallel shards: the pool holds one plane per shard.")
+    prefault: bool = option(False, "Touch every page at creation, so the first steps do not "
+                                   "pay for page faults.")
+    fence_poll_ms: float = option(2.0, "How often the daemon reads the sessions' fence pages, "
+                                       "milliseconds.")
 
     def __post_init__(self) -> None:
         if self.backend not in wire.BACKENDS:
@@ -116,19 +206,19 @@ class PoolConfig:
 class CacheConfig:
     """Prefix caching."""
 
-    #: Share full blocks between requests with the same prefix.
-    enable_prefix_cache: bool = True
-    #: Zero every reused block, whatever the tenants' policies say.
-    scrub_always: bool = False
-    #: When the pool is exhausted: "priority" preempts running sequences of strictly lower
-    #: (tenant priority, request priority) to make room (docs/decisions.md, "Daemon-side
-    #: preemption"); "off" only answers RESOURCE_EXHAUSTED and leaves preemption to workers.
-    preemption: str = "priority"
+    enable_prefix_cache: bool = option(True, "Share full blocks between requests with the same "
+                                             "prefix.")
+    scrub_always: bool = option(False, "Zero every reused block, whatever the tenants' "
+                                       "policies say.")
+    preemption: str = option(
+        "priority", "When the pool is exhausted: \"priority\" preempts running sequences of "
+                    "strictly lower (tenant priority, request priority) to make room; \"off\" "
+                    "only answers RESOURCE_EXHAUSTED and leaves preemption to the workers.")
 
     def __post_init__(self) -> None:
         if self.preemption not in ("priority", "off"):
             raise InvalidArgument(
-                f"cache.preemption must be 'priority' or 'off', got {self.preemption!r}",
+                f"cache.preemption: must be 'priority' or 'off', got {self.preemption!r}",
                 field="cache.preemption")
 
 
@@ -136,73 +226,168 @@ class CacheConfig:
 class LeaseConfig:
     """Session leases: a worker that stops calling is reaped."""
 
-    default_ms: int = 10_000
-    min_ms: int = 500
-    max_ms: int = 300_000
-    #: How often expired sessions are looked for.
-    reap_interval_ms: int = 200
+    default_ms: int = option(10_000, "Lease of a session whose Attach asks for none, "
+                                     "milliseconds.")
+    min_ms: int = option(500, "Shortest lease granted (shorter requests get this), "
+                              "milliseconds.")
+    max_ms: int = option(300_000, "Longest lease granted (longer requests get this), "
+                                  "milliseconds.")
+    reap_interval_ms: int = option(200, "How often expired sessions are looked for, "
+                                        "milliseconds.")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "lease", "default_ms", "min_ms", "max_ms", "reap_interval_ms")
+        if self.min_ms > self.max_ms:
+            raise InvalidArgument(f"lease.min_ms: {self.min_ms} is above lease.max_ms "
+                                  f"({self.max_ms})", field="lease.min_ms")
 
 
 @dataclass(frozen=True)
 class TenantsConfig:
     """Tenants and worker credentials."""
 
-    #: YAML file of tenants and workers (reloaded on SIGHUP). "" = one tenant "default" that
-    #: anonymous callers act for: a laptop default, refused unless ``allow_anonymous``.
-    file: str = ""
-    #: Accept calls without a credential as the "default" tenant (only without a tenants file).
-    allow_anonymous: bool = True
+    file: str = option(
+        "", "YAML file of tenants and workers (reloaded on SIGHUP). \"\": one tenant "
+            "\"default\" that anonymous callers act for (a laptop default; see "
+            "allow_anonymous).")
+    allow_anonymous: bool = option(
+        True, "Accept calls without a credential as the \"default\" tenant (only without a "
+              "tenants file).")
 
 
 @dataclass(frozen=True)
 class EventsConfig:
     """Block events in vLLM's KV-events wire format over ZMQ (docs/kv_events.md)."""
 
-    #: ZMQ PUB endpoint to bind, e.g. "tcp://*:5557" ("" disables publishing; a port of "*"
-    #: picks a free one).
-    zmq_endpoint: str = ""
-    #: Connect the PUB socket to ``zmq_endpoint`` instead of binding it: for a consumer that
-    #: binds and collects many publishers (llm-d's indexer on "tcp://*:5557").
-    zmq_connect: bool = False
-    #: ZMQ ROUTER endpoint that replays missed batches, e.g. "tcp://*:5558" ("" disables it).
-    replay_endpoint: str = ""
-    #: First frame of every message (llm-d's indexer expects "kv@<pod-id>@<model-name>").
-    topic: str = "kv-events"
-    #: Longest time an event waits for others to share its batch, milliseconds.
-    batch_ms: float = 10.0
-    #: Most events in one batch.
-    max_batch: int = 512
-    #: Batches kept for replay (the oldest are dropped first).
-    replay_buffer: int = 10000
-    #: ZMQ send high-water mark of the PUB socket: messages queued per slow subscriber before
-    #: further ones are dropped for it (it sees a gap and replays).
-    hwm: int = 100000
-    #: Publish ``extra_keys`` (("blockd", namespace label, tenant label) per block). Off for
-    #: consumers that read that field as something else (see docs/kv_events.md).
-    extra_keys: bool = True
+    zmq_endpoint: str = option(
+        "",
+        "ZMQ PUB endpoint to bind, e.g. \"tcp://*:5557\" (\"\" disables publishing; a port "
+        "of \"*\" picks a free one).")
+    zmq_connect: bool = option(
+        False,
+        "Connect the PUB socket to zmq_endpoint instead of binding it: for a consumer "
+        "that binds and collects many publishers (llm-d's indexer on \"tcp://*:5557\").")
+    replay_endpoint: str = option(
+        "",
+        "ZMQ ROUTER endpoint that replays missed batches, e.g. \"tcp://*:5558\" (\"\" "
+        "disables it).")
+    topic: str = option(
+        "",
+        "First frame of every message. \"\" = llm-d's \"kv@<pod_id>@<model_name>\" (see "
+        "below).")
+    model_name: str = option(
+        "",
+        "The model the default topic names: llm-d indexes every block of this node "
+        "under it, so use the model name the router scores requests for. Needed when "
+        "topic is \"\".")
+    pod_id: str = option(
+        "",
+        "The pod in the default topic; \"\" = $POD_IP, else $POD_NAME, else the host "
+        "name. llm-d matches it with the pod's address: set e.g. \"$(POD_IP):8000\" if "
+        "its endpoints have ports.")
+    batch_ms: float = option(
+        10.0,
+        "Longest time an event waits for others to share its batch, milliseconds.")
+    max_batch: int = option(
+        512,
+        "Most events in one batch.")
+    replay_buffer: int = option(
+        10000,
+        "Batches kept for replay (the oldest are dropped first).")
+    hwm: int = option(
+        100000,
+        "ZMQ send high-water mark of the PUB socket (messages queued per slow "
+        "subscriber before further ones are dropped for it: it sees a gap and replays), "
+        "and the most events queued for the publisher thread (beyond that they are "
+        "dropped and AllBlocksCleared announced).")
+    extra_keys: bool = option(
+        True,
+        "Publish vLLM's extra_keys (per block: the LoRA name, or nil). Off for "
+        "consumers that cannot decode the field.")
+    labels: bool = option(
+        False,
+        "Add blockd's optional blockd field to each BlockStored (the namespace label "
+        "and the tenant label; vLLM's decoder ignores it). Only with wire_format "
+        "\"vllm\".")
+    wire_format: str = option(
+        "vllm",
+        "\"vllm\": vLLM's current format (events as tagged maps; replay answers carry the "
+        "topic). \"legacy\": the pre-0.26 form (events as tagged arrays; replay answers "
+        "without the topic).")
+
+    def __post_init__(self) -> None:
+        checks = (("batch_ms", self.batch_ms >= 0, "must be >= 0"),
+                  ("max_batch", self.max_batch >= 1, "must be >= 1"),
+                  ("replay_buffer", self.replay_buffer >= 1, "must be >= 1"),
+                  ("hwm", self.hwm >= 1, "must be >= 1"),
+                  ("wire_format", self.wire_format in ("vllm", "legacy"),
+                   "must be 'vllm' or 'legacy'"),
+                  ("pod_id", "@" not in self.pod_id, "may not contain '@'"))
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidArgument(f"events.{name} {why}, got {getattr(self, name)!r}",
+                                      field=f"events.{name}")
+
+    def resolved_topic(self, environ: Mapping[str, str] | None = None) -> str:
+        """The topic to publish under: ``topic``, else ``kv@<pod>@<model_name>``.
+
+        Checked when the publisher is built (not per field: ``model_name`` and ``topic`` may
+        come from different sources). The only reader of POD_IP / POD_NAME.
+        """
+        if self.topic:
+            return self.topic
+        if not self.model_name:
+            raise InvalidArgument("events.model_name is needed for the default topic "
+                                  "kv@<pod>@<model> (or set events.topic)",
+                                  field="events.model_name")
+        env = os.environ if environ is None else environ
+        pod = self.pod_id or env.get("POD_IP") or env.get("POD_NAME") or os.uname().nodename
+        if "@" in pod:
+            raise InvalidArgument(f"events.pod_id: {pod!r} contains '@'", field="events.pod_id")
+        return f"kv@{pod}@{self.model_name}"
+
+    def check(self) -> None:
+        """What only holds for an enabled publisher (fields from different sources)."""
+        if self.labels and self.wire_format != "vllm":
+            raise InvalidArgument("events.labels needs events.wire_format 'vllm' (the legacy "
+                                  "arrays have no room for an optional field)",
+                                  field="events.labels")
+        self.resolved_topic()
 
 
 @dataclass(frozen=True)
 class StateConfig:
     """Crash recovery: where the pool and the journal outlive the daemon process."""
 
-    #: A private directory (created 0700) on a tmpfs, e.g. a Kubernetes emptyDir with
-    #: ``medium: Memory``. The host pool, the fence pages, the snapshot and the journal live
-    #: there, so a daemon restarted after a crash (even ``kill -9``) resumes with the same
-    #: epoch, sequences and cached prefixes. Empty: no recovery (an anonymous pool; a restart
-    #: starts a new epoch).
-    dir: str = ""
-    #: Journal bytes that trigger a snapshot (compaction); at least twice the last snapshot's
-    #: size, so compaction costs O(1) per journalled byte.
-    snapshot_min_bytes: int = 64 * 1024 * 1024
+    dir: str = option(
+        "", "A private directory (created 0700) on a tmpfs, e.g. a Kubernetes emptyDir with "
+            "medium: Memory, holding the host pool, the fence pages, the snapshot and the "
+            "journal: a daemon restarted after a crash (even kill -9) resumes with the same "
+            "epoch, sequences and cached prefixes. \"\": no recovery (a restart starts a new "
+            "epoch).")
+    snapshot_min_bytes: int = option(
+        64 * 1024 * 1024, "Journal bytes that trigger a snapshot (compaction); at least twice "
+                          "the last snapshot's size, so compaction costs O(1) per journalled "
+                          "byte.")
 
 
 @dataclass(frozen=True)
 class LogConfig:
-    #: DEBUG, INFO, WARNING or ERROR.
-    level: str = "INFO"
-    #: "kv" (key=value) or "json".
-    format: str = "kv"
+    """The daemon's log: one line per record on stderr."""
+
+    level: str = option("INFO", "Least severe level logged: DEBUG, INFO, WARNING or ERROR.")
+    format: str = option("kv", "\"kv\" (logfmt: key=value pairs) or \"json\" (one object per "
+                               "line, every field a key).")
+
+    def __post_init__(self) -> None:
+        level = str(self.level).upper()
+        if level not in LOG_LEVELS:
+            raise InvalidArgument(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got "
+                                  f"{self.level!r}", field="log.level")
+        object.__setattr__(self, "level", level)
+        if self.format not in LOG_FORMATS:
+            raise InvalidArgument(f"log.format: must be 'kv' or 'json', got {self.format!r}",
+                                  field="log.format")
 
 
 @dataclass(frozen=True)
@@ -223,92 +408,48 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _sections() -> list[tuple[str, type]]:
-    hints = typing.get_type_hints(Config)
-    return [(f.name, hints[f.name]) for f in fields(Config)]
+# -- reading it (blockd.options is the mechanism) --------------------------------------------
+
+#: Fields whose default depends on the machine (the user's runtime directory).
+COMPUTED_DEFAULTS = ("server.unix_socket", "server.handle_socket")
 
 
-def _convert(value: Any, typ: Any, where: str) -> Any:
-    if isinstance(typ, types.UnionType):  # pragma: no cover - no optional fields today
-        typ = typing.get_args(typ)[0]
-    try:
-        if typ is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(f"not a boolean: {value!r}")
-        if typ is int and isinstance(value, bool):
-            raise ValueError("a boolean is not an integer")
-        return typ(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(f"{where}: {exc}", field=where) from None
+def settings() -> Iterator[Setting]:
+    """Every field, in declaration order, with its default and its description."""
+    return options.settings(Config, ENV_PREFIX)
 
 
-def _merge(base: Config, overrides: Mapping[str, Mapping[str, Any]], source: str) -> Config:
-    sections = {}
-    for name, cls in _sections():
-        section = getattr(base, name)
-        given = overrides.get(name) or {}
-        if not isinstance(given, Mapping):
-            raise InvalidArgument(f"{source}: section {name!r} must be a mapping", field=name)
-        hints = typing.get_type_hints(cls)
-        known = {f.name for f in fields(cls)}
-        unknown = set(given) - known
-        if unknown:
-            raise InvalidArgument(f"{source}: unknown keys in {name}: {sorted(unknown)}",
-                                  field=f"{name}.{sorted(unknown)[0]}")
-        changes = {k: _convert(v, hints[k], f"{name}.{k}") for k, v in given.items()}
-        sections[name] = dataclasses.replace(section, **changes)
-    unknown_sections = set(overrides) - set(sections)
-    if unknown_sections:
-        raise InvalidArgument(f"{source}: unknown sections {sorted(unknown_sections)}",
-                              field=sorted(unknown_sections)[0])
-    return Config(**sections)
+def describe(key: str) -> str:
+    """The description of ``section.field`` ("" for no such field)."""
+    return next((s.help for s in settings() if s.key == key), "")
+
+
+def markdown_table() -> str:
+    """The reference table of docs/operations.md (``tools/config_docs.py`` writes it there)."""
+    return options.markdown_table(Config, ENV_PREFIX, COMPUTED_DEFAULTS)
 
 
 def from_env(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
     """``BLOCKD_<SECTION>_<FIELD>`` variables as overrides. The only place env is read."""
-    out: dict[str, dict[str, str]] = {}
-    for name, cls in _sections():
-        for f in fields(cls):
-            key = f"{ENV_PREFIX}{name}_{f.name}".upper()
-            if key in environ:
-                out.setdefault(name, {})[f.name] = environ[key]
-    return out
+    return options.from_env(Config, environ, ENV_PREFIX)
+
+
+def unknown_env(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """``BLOCKD_*`` variables that configure nothing (a typo is silently ignored otherwise):
+    each with the closest real name, or ""."""
+    return options.unknown_env(Config, os.environ if environ is None else environ, ENV_PREFIX,
+                               CLIENT_ENV)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per field: ``--pool-num-blocks`` sets ``pool.num_blocks``."""
-    parser.add_argument("--config", help="YAML configuration file")
-    for name, cls in _sections():
-        group = parser.add_argument_group(name, (cls.__doc__ or "").strip().splitlines()[0])
-        for f in fields(cls):
-            flag = f"--{name}-{f.name}".replace("_", "-")
-            group.add_argument(flag, dest=f"cfg__{name}__{f.name}", default=None,
-                               metavar=type(f.default).__name__.upper(),
-                               help=f"(default: {f.default!r})")
+    """``--config FILE`` and one flag per field: ``--pool-num-blocks`` sets
+    ``pool.num_blocks``; its help is the field's description."""
+    options.add_flags(parser, Config, ENV_PREFIX)
 
 
 def load(args: argparse.Namespace | None = None,
          environ: Mapping[str, str] | None = None) -> Config:
-    """Defaults <- YAML file <- environment <- flags."""
-    cfg = Config()
-    path = getattr(args, "config", None) if args is not None else None
-    if path:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, Mapping):
-            raise InvalidArgument(f"{path}: the top level must be a mapping", field="config")
-        cfg = _merge(cfg, data, str(path))
-    cfg = _merge(cfg, from_env(os.environ if environ is None else environ), "environment")
-    if args is not None:
-        flags: dict[str, dict[str, Any]] = {}
-        for key, value in vars(args).items():
-            if key.startswith("cfg__") and value is not None:
-                _, section, name = key.split("__")
-                flags.setdefault(section, {})[name] = value
-        cfg = _merge(cfg, flags, "flags")
+    """Defaults <- YAML file <- environment <- flags. A refusal (``InvalidArgument``) is one
+    line that starts with the field and names where the value came from."""
+    cfg: Config = options.load(Config, args, environ, ENV_PREFIX)
     return cfg

@@ -14,6 +14,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+import blockd
+
 
 def _serve(argv: list[str]) -> int:
     from blockd.server.__main__ import main as serve_main
@@ -58,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]][1](argv[1:])
     parser = argparse.ArgumentParser(prog="blockd", description="blockd: KV-block manager daemon")
+    parser.add_argument("--version", action="version", version=f"blockd {blockd.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, _) in COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
-    parser.parse_args(argv)  # exits: --help, no command, or an unknown one
+    parser.parse_args(argv)  # exits: --help, --version, no command, or an unknown one
     return 2
 
 

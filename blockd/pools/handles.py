@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from blockd import wire
+from blockd import logs, wire
 
 log = logging.getLogger("blockd.handles")
 #: session_id -> (header, [fds]) or None when the session is unknown (``Pool.handle`` makes the
@@ -54,7 +54,7 @@ class HandleServer:
                 try:
                     self._handle(conn)
                 except (OSError, ValueError) as exc:
-                    log.warning("pool handle request failed: %s", exc)
+                    log.warning("pool handle request failed", extra=logs.fields(error=str(exc)))
 
     def _handle(self, conn: socket.socket) -> None:
         limit = wire.MAX_REQUEST_BYTES
@@ -78,7 +78,8 @@ class HandleServer:
         try:
             header.split_fds(fds)  # the documented count and order
         except wire.WireError as exc:  # the daemon's own bug: say so rather than hang up
-            log.error("pool handle header refused by the wire contract: %s", exc)
+            log.error("pool handle header refused by the wire contract",
+                      extra=logs.fields(error=str(exc)))
             conn.sendall(wire.encode_refusal("INTERNAL", f"bad handle header: {exc}"))
             return
         socket.send_fds(conn, [header.to_json()], fds)

@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.core import snapshot
 from blockd.core.ids import SequenceIds
@@ -115,8 +116,8 @@ class Recovery:
 
     def _new_epoch(self, problem: str) -> None:
         if self.store is not None:
-            log.warning("not recovering from %s: %s; starting a new epoch", self.store.dir,
-                        problem)
+            log.warning("not recovering: starting a new epoch",
+                        extra=logs.fields(state_dir=self.store.dir, reason=problem))
             self.store.wipe()
 
     # -- replay --------------------------------------------------------------------------------
@@ -170,13 +171,16 @@ class Recovery:
         store.remove_journals(keep=self.generation)
         self.snapshots += 1
         self.last_snapshot_seconds = time.perf_counter() - t0
-        log.debug("snapshot generation=%d bytes=%d seconds=%.4f", self.generation,
-                  self._snapshot_bytes, self.last_snapshot_seconds)
+        log.debug("snapshot written", extra=logs.fields(
+            generation=self.generation, bytes=self._snapshot_bytes,
+            seconds=round(self.last_snapshot_seconds, 4)))
 
     def close(self) -> None:
         if self.journal is not None:
             self.journal.close()
             self.journal = None
+        if self.store is not None:
+            self.store.close()
 
 
 def _problem(state: object, spec: PoolSpec, store: StateStore) -> str | None:

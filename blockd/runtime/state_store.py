@@ -7,6 +7,7 @@ read or write it, since it holds every tenant's K/V and a pickle the daemon load
     fence-<session id>    one fence page per attached session (its worker writes it)
     snapshot              the last snapshot (written to snapshot.tmp, then renamed)
     journal.<generation>  what was applied since the snapshot of that generation
+    lock                  flock-ed by the daemon using the directory (holds its pid)
 
 A snapshot names the generation of the journal that follows it; taking one writes the new
 snapshot, renames it over the old one, and only then starts the next journal and deletes the
@@ -16,6 +17,7 @@ previous one. A crash at any point leaves one snapshot plus the one journal to r
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
 import stat
@@ -45,6 +47,31 @@ class StateStore:
                 f"state directory {directory} must be owned by this user and private "
                 f"(mode 0700), it is uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):o}",
                 field="state.dir")
+        self._lock_fd: int | None = self._lock()
+
+    def _lock(self) -> int:
+        """Hold ``lock`` for this daemon's life: two daemons on one directory would both append
+        to one journal and map one pool. The kernel drops the lock when its holder dies, so a
+        killed daemon's successor needs no clean-up."""
+        path = self.dir / "lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise FailedPrecondition(
+                f"state directory {self.dir} is in use by a running blockd (pid {holder})",
+                field="state.dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def close(self) -> None:
+        """Release the directory (the files stay for the next daemon)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     @property
     def pool_path(self) -> str:

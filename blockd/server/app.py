@@ -3,30 +3,38 @@
 The daemon's state is ``blockd.runtime``'s; this module wires it to the transports (gRPC, the
 handle socket, the metrics HTTP endpoint, the ZMQ KV-event publisher) and runs the periodic
 tasks (lease reaping, fence-page polling, the invariant checker) and the drain on SIGTERM.
+
+A start claims what fails cheaply first (the Unix socket paths' locks, the TCP ports:
+``blockd.server.endpoints``), then binds the ZMQ publisher, builds the pool and opens the
+listeners. Everything taken is registered on one exit stack, so a failed start gives it all
+back in reverse order (no socket or lock file is left behind, and no live daemon's is touched)
+and raises the ``BlockdError`` naming the field, which the entry point prints in one line. A
+stop releases the same stack after the drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from blockd import wire
+from blockd import logs, wire
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.config import Config
-from blockd.core.errors import Internal
+from blockd.config import Config, ServerConfig
+from blockd.core.errors import FailedPrecondition, Internal
 from blockd.pools.handles import HandleServer
 from blockd.runtime import daemon as runtime
 from blockd.runtime.kv_events import KvEventPublisher
+from blockd.server.endpoints import SocketClaim, check_port, split_address
 from blockd.server.metrics import Metrics, serve_http
 from blockd.server.servicer import BlockdServicer
 
@@ -38,11 +46,6 @@ async def _echo(request: bytes, context: object) -> bytes:
     return request
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 async def every(interval_ms: float, fn: Callable[[], object], what: str) -> None:
     """Call ``fn`` every ``interval_ms`` until cancelled; a failure is logged, never fatal."""
     while True:
@@ -50,7 +53,7 @@ async def every(interval_ms: float, fn: Callable[[], object], what: str) -> None
         try:
             fn()
         except Exception:
-            log.exception("%s failed", what)
+            log.exception("periodic task failed", extra=logs.fields(task=what))
 
 
 def check_invariants(daemon: runtime.Daemon, metrics: Metrics) -> None:
@@ -61,29 +64,11 @@ def check_invariants(daemon: runtime.Daemon, metrics: Metrics) -> None:
         daemon.check_invariants()
     except Internal as exc:
         metrics.invariant_violations += 1
-        log.error("invariant violated: %s", exc)
+        log.error("invariant violated", extra=logs.fields(error=exc.message))
 
 
-async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
-    publisher = None
-    if cfg.events.zmq_endpoint:
-        # Bound first, so a taken port fails the start before the pool exists.
-        publisher = KvEventPublisher(cfg.events, block_size=cfg.pool.block_size,
-                                     medium=wire.medium_of(cfg.pool.backend))
-        publisher.start()
-    try:
-        daemon = runtime.start(cfg)
-    except BaseException:
-        if publisher is not None:
-            publisher.stop()
-        raise
-    metrics = Metrics()
-    metrics.bind(daemon)
-    servicer = BlockdServicer(daemon, metrics)
-    if publisher is not None:
-        daemon.events.add_listener(publisher.submit)
-    sc = cfg.server
+def _grpc_server(sc: ServerConfig, servicer: BlockdServicer
+                 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),
@@ -98,89 +83,141 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
+    return server, health_servicer
 
-    endpoints = {}
-    if sc.unix_socket:
-        path = Path(sc.unix_socket).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            path.unlink()  # a stale socket from an earlier run
-        server.add_insecure_port(f"unix:{path}")
-        endpoints["unix"] = str(path)
-    if sc.tcp_address:
-        host, port = _split(sc.tcp_address)
-        bound = server.add_insecure_port(f"{host}:{port}")
-        endpoints["tcp"] = f"{host}:{bound}"
-    handles = None
-    if sc.handle_socket:
-        handles = HandleServer(sc.handle_socket, daemon.handle_for)
-        handles.start()
-        endpoints["handles"] = handles.path
-    if publisher is not None:
-        endpoints["kv_events"] = publisher.endpoint
-        if publisher.replay_endpoint:
-            endpoints["kv_replay"] = publisher.replay_endpoint
-    metrics_server = None
-    if cfg.metrics.address:
-        host, port = _split(cfg.metrics.address)
-        metrics_server = await serve_http(metrics, host, port)
-        endpoints["metrics"] = f"{host}:{metrics_server.sockets[0].getsockname()[1]}"
 
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("config %s", json.dumps(cfg.to_dict(), sort_keys=True))
-    log.info("serving %s epoch=%d pool_bytes=%d pid=%d",
-             " ".join(f"{k}={v}" for k, v in endpoints.items()), daemon.epoch,
-             daemon.pool.size, os.getpid())
-    # One machine-readable line for tests and supervisors that start us on port 0.
-    print("BLOCKD_READY " + json.dumps(endpoints), flush=True)
+def _listen(server: grpc.aio.Server, target: str, field: str) -> int:
+    """``add_insecure_port``, with gRPC's RuntimeError (a port taken since the check) as the
+    one-line refusal of the field."""
+    try:
+        return server.add_insecure_port(target)
+    except RuntimeError:
+        raise FailedPrecondition(f"{field}: cannot listen on {target} (in use, or not an "
+                                 "address of this host)", field=field) from None
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
 
-    def reload() -> None:
-        try:
-            daemon.reload_tenants()
-        except Exception as exc:  # keep serving with the old tenants on a bad file
-            log.error("tenants reload failed, keeping the previous tenants: %s", exc)
+def _start_runtime(cfg: Config) -> runtime.Daemon:
+    """``runtime.start``, with a file the configuration names that cannot be used (a missing
+    tenants file, a state directory on a full disk) refused on its field."""
+    try:
+        return runtime.start(cfg)
+    except OSError as exc:
+        name = str(exc.filename or "")
+        field = ("tenants.file" if cfg.tenants.file and name == cfg.tenants.file else
+                 "state.dir" if cfg.state.dir and name.startswith(cfg.state.dir) else "pool")
+        raise FailedPrecondition(f"{field}: {name + ': ' if name else ''}"
+                                 f"{exc.strerror or exc}", field=field) from None
 
-    loop.add_signal_handler(signal.SIGHUP, reload)
 
-    tasks = [asyncio.create_task(every(cfg.lease.reap_interval_ms, daemon.reap,
-                                       "reaping expired sessions")),
-             asyncio.create_task(every(cfg.pool.fence_poll_ms, daemon.poll_fences,
-                                       "polling fence pages"))]
-    if sc.invariant_check_interval_ms > 0:
-        tasks.append(asyncio.create_task(every(sc.invariant_check_interval_ms,
-                                               lambda: check_invariants(daemon, metrics),
-                                               "checking invariants")))
-    if ready is not None:
-        ready.set()
-    await stop.wait()
+async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
+    sc = cfg.server
+    async with contextlib.AsyncExitStack() as stack:
+        for path, field in ((sc.unix_socket, "server.unix_socket"),
+                            (sc.handle_socket, "server.handle_socket")):
+            if path:
+                claim = SocketClaim(path, field)
+                claim.acquire()
+                stack.callback(claim.release)
+        if sc.tcp_address:
+            check_port(sc.tcp_address, "server.tcp_address")
+        if cfg.metrics.address:
+            check_port(cfg.metrics.address, "metrics.address")
+        publisher = None
+        if cfg.events.zmq_endpoint:
+            # Bound before the pool exists, so a taken port fails the start cheaply.
+            publisher = KvEventPublisher(cfg.events, block_size=cfg.pool.block_size,
+                                         medium=wire.medium_of(cfg.pool.backend))
+            publisher.start()
+            # On the way out: flushes the last batch; off the event loop.
+            stack.push_async_callback(asyncio.to_thread, publisher.stop)
+        daemon = _start_runtime(cfg)
+        stack.callback(daemon.close)
+        metrics = Metrics()
+        metrics.bind(daemon, events=publisher)
+        servicer = BlockdServicer(daemon, metrics)
+        if publisher is not None:
+            daemon.events.add_listener(publisher.submit)
+            stack.callback(daemon.events.remove_listener, publisher.submit)
+        tasks: list[asyncio.Task[None]] = []
+        stack.callback(lambda: [t.cancel() for t in tasks])  # after the server's last second
+        server, health_servicer = _grpc_server(sc, servicer)
+        stack.push_async_callback(server.stop, 1.0)
 
-    # Drain: health goes NOT_SERVING and new sessions are refused (UNAVAILABLE), while attached
-    # workers keep stepping until they detach or the grace period ends; then calls still in
-    # flight get a last second and the server stops.
-    log.info("draining grace_seconds=%.1f sessions=%d", sc.grace_seconds, len(daemon.sessions))
-    daemon.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    deadline = loop.time() + sc.grace_seconds
-    while daemon.sessions and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    await server.stop(1.0)
-    for task in tasks:
-        task.cancel()
-    if publisher is not None:
-        daemon.events.remove_listener(publisher.submit)
-        await asyncio.to_thread(publisher.stop)  # flushes the last batch; off the event loop
-    if handles is not None:
-        handles.close()
-    if metrics_server is not None:
-        metrics_server.close()
-    daemon.close()
-    if sc.unix_socket:
-        Path(endpoints["unix"]).unlink(missing_ok=True)
+        endpoints = {}
+        if sc.unix_socket:
+            _listen(server, f"unix:{sc.unix_socket}", "server.unix_socket")
+            endpoints["unix"] = sc.unix_socket
+        if sc.tcp_address:
+            host, port = split_address(sc.tcp_address)
+            bound = _listen(server, f"{host}:{port}", "server.tcp_address")
+            endpoints["tcp"] = f"{host}:{bound}"
+        if sc.handle_socket:
+            handles = HandleServer(sc.handle_socket, daemon.handle_for)
+            stack.callback(handles.close)
+            handles.start()
+            endpoints["handles"] = handles.path
+        if publisher is not None:
+            endpoints["kv_events"] = publisher.endpoint
+            if publisher.replay_endpoint:
+                endpoints["kv_replay"] = publisher.replay_endpoint
+        if cfg.metrics.address:
+            host, port = split_address(cfg.metrics.address)
+            try:
+                metrics_server = await serve_http(metrics, host, port)
+            except OSError as exc:
+                raise FailedPrecondition(f"metrics.address: cannot listen on "
+                                         f"{cfg.metrics.address}: {exc.strerror}",
+                                         field="metrics.address") from None
+            stack.callback(metrics_server.close)
+            endpoints["metrics"] = f"{host}:{metrics_server.sockets[0].getsockname()[1]}"
+
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("configuration", extra=logs.fields(**{
+            f"{section}.{name}": value for section, values in cfg.to_dict().items()
+            for name, value in values.items()}))
+        log.info("serving", extra=logs.fields(**endpoints, epoch=daemon.epoch,
+                                              pool_bytes=daemon.pool.size, pid=os.getpid()))
+        # One machine-readable line for tests and supervisors that start us on port 0.
+        print("BLOCKD_READY " + json.dumps(endpoints), flush=True)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+
+        def reload() -> None:
+            try:
+                daemon.reload_tenants()
+            except Exception as exc:  # keep serving with the old tenants on a bad file
+                log.error("tenants reload failed, keeping the previous tenants",
+                          extra=logs.fields(error=str(exc)))
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
+
+        tasks += [asyncio.create_task(every(cfg.lease.reap_interval_ms, daemon.reap,
+                                            "reaping expired sessions")),
+                  asyncio.create_task(every(cfg.pool.fence_poll_ms, daemon.poll_fences,
+                                            "polling fence pages"))]
+        if sc.invariant_check_interval_ms > 0:
+            tasks.append(asyncio.create_task(every(sc.invariant_check_interval_ms,
+                                                   lambda: check_invariants(daemon, metrics),
+                                                   "checking invariants")))
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+
+        # Drain: health goes NOT_SERVING and new sessions are refused (UNAVAILABLE), while
+        # attached workers keep stepping until they detach or the grace period ends; then
+        # calls still in flight get a last second (the stack: server.stop(1.0)), and
+        # everything else is released in reverse order.
+        log.info("draining", extra=logs.fields(grace_seconds=sc.grace_seconds,
+                                               sessions=len(daemon.sessions)))
+        daemon.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        deadline = loop.time() + sc.grace_seconds
+        while daemon.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.05)
     log.info("stopped")

@@ -80,7 +80,7 @@ def test_snapshots_replace_atomically_and_wipe_keeps_the_pool(tmp_path: Path) ->
     Path(store.pool_path).write_bytes(b"pool")
     Path(store.fence_path("abc")).write_bytes(b"\0" * 8)
     store.wipe()
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["pool"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["lock", "pool"]
     (tmp_path / "state" / "snapshot").write_bytes(b"not a snapshot")
     with pytest.raises(ValueError, match="not a blockd snapshot"):
         store.read_snapshot()

@@ -136,8 +136,9 @@ def test_cuda_pool_without_a_gpu_is_refused_with_the_reason(tmp_path) -> None:  
                           "--server-tcp-address", "", "--metrics-address", "",
                           "--server-handle-socket", str(tmp_path / "h.sock")],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert "pool.backend" in out.stderr and "cuda pool unavailable" in out.stderr
+    assert not list(tmp_path.iterdir())  # a refused start leaves no socket or lock file
 
 
 def test_python_dash_m_blockd_server_takes_the_flags_of_blockd_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
