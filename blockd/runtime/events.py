@@ -1,4 +1,5 @@
-"""Block events (stored / removed / all cleared) with gap-free sequence numbers.
+"""Block events (stored / removed / all cleared) with gap-free sequence numbers, and who may
+see what of them.
 
 The core hands ``on_core_event`` its typed events (``blockd.core.events``) synchronously, on the
 event loop. Each becomes one ``Event`` record, numbered here: the one record both gRPC
@@ -8,26 +9,36 @@ buffer, so a slow watcher can never make the daemon hold unbounded memory: it ge
 and resubscribes. Listeners (the ZMQ publisher) are handed each ``Event`` as it is appended; a
 listener must be O(1) and must not block.
 
-What an event carries is decided here, once, for both paths: a private tenant's events never
-include token ids, and no event ever includes a salt or a private tenant's id (the namespace
-label is a prefix of the keyed root hash; the tenant label of a private domain is a keyed digest
-whose key lives only in this process).
+What a reader sees is decided here, once, by its ``Audience`` (docs/kv_events.md, "Who sees
+what"): every reader gets events through ``Audience.view``, never the records themselves.
+
+- The ZMQ socket has no authentication: its audience (``ANYONE``) gets every event, but a
+  private tenant's token ids never.
+- A WatchEvents caller (authenticated) gets the events of the sharing domains its credential
+  acts for, token ids included (a private tenant's own credential, or a router's credential that
+  acts for the tenants it routes); an admin credential also gets every other event, with the
+  token ids of other private tenants withheld.
+- No event ever includes a salt or a private tenant's id: the namespace label is a prefix of the
+  keyed root hash, and the tenant label of a private domain is a keyed digest whose key lives
+  only in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from blockd.core.errors import BlockdError, StatusCode
 from blockd.core.events import AllBlocksCleared, BlockRemoved, BlockStored, CoreEvent
 
 log = logging.getLogger("blockd.events")
+
 
 class OutOfRange(BlockdError):
     """The events a watcher asked for are no longer in the bounded buffer: resubscribe."""
@@ -38,6 +49,7 @@ class OutOfRange(BlockdError):
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "all_cleared"
+PRIVATE = "private:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +59,44 @@ class Event:
     #: 16-byte keys of the blocks concerned.
     block_hashes: tuple[bytes, ...] = ()
     parent_hash: bytes = b""
-    #: uint32 LE token ids; empty when the namespace's tenant is private.
+    #: uint32 LE token ids. In the log: every tenant's; in a view: empty where withheld.
     token_bytes: bytes = b""
+    #: The namespace's LoRA adapter name ("" = the base model).
     lora_id: str = ""
+    #: The namespace label (stored and removed blocks).
     namespace: str = ""
     #: The sharing domain ("public", "group:<name>"), or for a private domain
-    #: "private:<keyed digest of the tenant id>" (never the raw id).
+    #: "private:<keyed digest of the tenant id>" (never the raw id). Stored and removed blocks;
+    #: "" for a removal of a block whose store this log never saw.
     tenant: str = ""
+
+    @property
+    def private(self) -> bool:
+        return self.tenant.startswith(PRIVATE)
+
+
+@dataclass(frozen=True, slots=True)
+class Audience:
+    """Who reads the events, and so which of them and which token ids it gets."""
+
+    #: Also the events of domains it does not act for (the ZMQ socket, an admin).
+    every_domain: bool
+    #: Tenant labels of the domains it acts for: their events come with token ids.
+    own: frozenset[str] = frozenset()
+
+    def view(self, ev: Event) -> Event | None:
+        """``ev`` as this audience may see it, or None if it may not see it at all."""
+        if ev.kind == CLEARED or ev.tenant in self.own:
+            return ev
+        if not self.every_domain:
+            return None
+        if ev.private and ev.token_bytes:
+            return dataclasses.replace(ev, token_bytes=b"")
+        return ev
+
+
+#: The unauthenticated ZMQ socket: every event; a private tenant's token ids never.
+ANYONE = Audience(every_domain=True)
 
 
 class EventLog:
@@ -64,45 +107,53 @@ class EventLog:
         self.events: deque[Event] = deque(maxlen=capacity)
         self.next_seq = 1
         self._changed = asyncio.Event()
-        #: Called with each appended event (after it has its sequence number).
-        self._listeners: list[Callable[[Event], None]] = []
+        #: Called with each appended event's view (after it has its sequence number).
+        self._listeners: list[tuple[Callable[[Event], None], Audience]] = []
         #: Keys the private tenants' labels; never leaves this process, new at every start.
         self._label_key = os.urandom(32)
         self._tenant_labels: dict[str, str] = {}
+        #: Indexed block id -> (namespace label, tenant label), so that a removal can be shown
+        #: to the audiences that saw the block stored (one entry per indexed block).
+        self._indexed: dict[int, tuple[str, str]] = {}
 
-    def add_listener(self, fn: Callable[[Event], None]) -> None:
-        """Call ``fn(event)`` for every event from now on (on the event loop; keep it O(1))."""
-        self._listeners.append(fn)
+    def add_listener(self, fn: Callable[[Event], None], audience: Audience = ANYONE) -> None:
+        """Call ``fn(view)`` for every event ``audience`` may see from now on (on the event
+        loop; keep it O(1))."""
+        self._listeners.append((fn, audience))
 
     def remove_listener(self, fn: Callable[[Event], None]) -> None:
-        if fn in self._listeners:
-            self._listeners.remove(fn)
+        self._listeners = [(f, a) for f, a in self._listeners if f != fn]
 
     def tenant_label(self, sharing_domain: str) -> str:
         """What events say about a namespace's tenant: the domain, a digest for private ones."""
         label = self._tenant_labels.get(sharing_domain)
         if label is None:
-            if sharing_domain.startswith("private:"):
-                tenant = sharing_domain[len("private:"):].encode("utf-8")
+            if sharing_domain.startswith(PRIVATE):
+                tenant = sharing_domain[len(PRIVATE):].encode("utf-8")
                 digest = hashlib.blake2b(tenant, key=self._label_key, digest_size=8,
                                          person=b"blockd.tenant").hexdigest()
-                label = "private:" + digest
+                label = PRIVATE + digest
             else:
                 label = sharing_domain
             self._tenant_labels[sharing_domain] = label
         return label
 
+    def audience(self, domains: Iterable[str], *, every_domain: bool = False) -> Audience:
+        """The audience of a credential acting for the tenants of these sharing domains."""
+        return Audience(every_domain, frozenset(self.tenant_label(d) for d in domains))
+
     def on_core_event(self, ev: CoreEvent) -> None:
         """The BlockManager's event sink."""
         if isinstance(ev, BlockStored):
-            private = ev.sharing_domain.startswith("private:")
-            self._append(Event(0, STORED, (ev.key,), ev.parent_key,
-                               token_bytes=b"" if private else ev.token_bytes,
-                               lora_id=ev.lora_id, namespace=ev.namespace_label,
-                               tenant=self.tenant_label(ev.sharing_domain)))
+            tenant = self.tenant_label(ev.sharing_domain)
+            self._indexed[ev.block] = (ev.namespace_label, tenant)
+            self._append(Event(0, STORED, (ev.key,), ev.parent_key, token_bytes=ev.token_bytes,
+                               lora_id=ev.lora_id, namespace=ev.namespace_label, tenant=tenant))
         elif isinstance(ev, BlockRemoved):
-            self._append(Event(0, REMOVED, (ev.key,)))
+            namespace, tenant = self._indexed.pop(ev.block, ("", ""))
+            self._append(Event(0, REMOVED, (ev.key,), namespace=namespace, tenant=tenant))
         elif isinstance(ev, AllBlocksCleared):
+            self._indexed.clear()
             self._append(Event(0, CLEARED))
         else:  # pragma: no cover - CoreEvent has no other members
             log.warning("unknown core event %r not logged", ev)
@@ -112,9 +163,11 @@ class EventLog:
         self.next_seq += 1
         self.events.append(ev)
         self._changed.set()
-        for fn in self._listeners:
+        for fn, audience in self._listeners:
             try:
-                fn(ev)
+                seen = audience.view(ev)
+                if seen is not None:
+                    fn(seen)
             except Exception:  # a listener's failure must never reach the core
                 log.exception("event listener failed; event %d not delivered to it", ev.seq)
 
@@ -123,7 +176,8 @@ class EventLog:
         return self.events[0].seq if self.events else self.next_seq
 
     def since(self, seq: int) -> list[Event]:
-        """Events with sequence number >= ``seq`` still in the buffer."""
+        """Events with sequence number >= ``seq`` still in the buffer (the records: for the
+        log's own readers; anything that leaves the daemon goes through an ``Audience``)."""
         if not self.events or seq >= self.next_seq:
             return []
         start = max(0, seq - self.events[0].seq)
@@ -133,10 +187,11 @@ class EventLog:
         self._changed.clear()
         await self._changed.wait()
 
-    async def follow(self, since: int, *, until: Callable[[], bool]
+    async def follow(self, since: int, audience: Audience, *, until: Callable[[], bool]
                      ) -> AsyncIterator[Event]:
-        """Every event from sequence number ``since`` (0: from now on), as they come, until
-        ``until()`` says stop; ``OutOfRange`` if a needed event left the buffer."""
+        """Every event ``audience`` may see from sequence number ``since`` (0: from now on), as
+        they come, until ``until()`` says stop; ``OutOfRange`` if a needed event left the
+        buffer (whether or not this audience would have seen it: a gap is a gap)."""
         nxt = since or self.next_seq
         if nxt < self.oldest_seq:
             raise OutOfRange(f"events before {self.oldest_seq} are gone", field="since_sequence")
@@ -149,5 +204,7 @@ class EventLog:
                 raise OutOfRange(f"events before {batch[0].seq} are gone",
                                  field="since_sequence")
             for ev in batch:
-                yield ev
+                seen = audience.view(ev)
+                if seen is not None:
+                    yield seen
             nxt = batch[-1].seq + 1

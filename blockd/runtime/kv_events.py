@@ -1,15 +1,19 @@
 """Block events in vLLM's KV-events wire format: a ZMQ PUB stream and a ROUTER replay socket.
 
 The ``EventLog`` stays the single source of events (and of WatchEvents' sequence numbers). This
-module only re-encodes its ``Event`` records, so both paths carry the same facts: token ids are
-already withheld for private tenants, and no salt or private tenant id is ever in an ``Event``.
+module only re-encodes the ``Event`` views the log hands its listeners (audience ``ANYONE``: a
+private tenant's token ids are already withheld, and no salt or private tenant id is ever in an
+``Event``). The format is what the installed vLLM's ``vllm.distributed.kv_events`` encodes and
+decodes (``tests/contract`` proves it against vLLM's own classes and publisher); the details are
+in docs/kv_events.md.
 
 Threads: the event loop calls ``submit`` (one ``SimpleQueue.put``; never blocks, never raises).
 A publisher thread batches events (``batch_ms`` / ``max_batch``), encodes each batch once, keeps
 it in a bounded replay buffer and sends it on the PUB socket (which drops rather than blocks for
-a slow subscriber). A replay thread owns the ROUTER socket and answers replay requests from a
-snapshot of that buffer, so a replay never delays publishing. Each socket is used by one thread
-only; the two threads share the buffer under a lock. The wire format is in docs/kv_events.md.
+a slow subscriber). A socket thread owns the ROUTER socket and the PUB socket's monitor: it
+answers replay requests from a snapshot of that buffer, so a replay never delays publishing,
+and counts the PUB socket's connected peers. Each socket is used by one thread only; the threads
+share the buffer and the counters under locks.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from blockd import logs
 from blockd.config import EventsConfig
 from blockd.core.errors import FailedPrecondition, InvalidArgument
 from blockd.runtime.events import CLEARED, REMOVED, STORED, Event
@@ -35,10 +41,12 @@ log = logging.getLogger("blockd.kv_events")
 
 #: The sequence number that ends a replay: -1 as a signed 64-bit big-endian integer.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-#: First element of every extra_keys entry: whose labels follow.
-EXTRA_KEYS_TAG = "blockd"
+#: The optional BlockStored field with blockd's labels (``events.labels``); vLLM has no field
+#: of that name, so its decoder skips it.
+LABELS_FIELD = "blockd"
 
 _FLUSH = object()
+_PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 def block_hash(key: bytes) -> int:
@@ -54,93 +62,126 @@ def _tokens(raw: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // 4}I", raw)) if raw else []
 
 
+class _Stored:
+    """One BlockStored being assembled: a chain of blocks of one namespace."""
+
+    __slots__ = ("hashes", "parent", "tokens", "lora", "namespace", "tenant")
+
+    def __init__(self, ev: Event) -> None:
+        self.hashes: list[int] = []
+        self.parent = block_hash(ev.parent_hash) if ev.parent_hash else None
+        self.tokens: list[int] = []
+        self.lora, self.namespace, self.tenant = ev.lora_id, ev.namespace, ev.tenant
+
+
 def encode_events(events: Iterable[Event], *, block_size: int, medium: str,
-                  extra_keys: bool = True) -> list[list[Any]]:
-    """The tagged arrays of one batch, in order.
+                  wire_format: str = "vllm", extra_keys: bool = True,
+                  labels: bool = False) -> list[Any]:
+    """The events of one batch, in order, as vLLM's ``KVCacheEvent`` values.
 
     Consecutive stored blocks of one chain (same namespace, each the parent of the next) become
     one ``BlockStored``, as vLLM publishes a request's new blocks; consecutive removals become
-    one ``BlockRemoved``.
+    one ``BlockRemoved``. ``wire_format`` "vllm": tagged maps (vLLM's current msgspec encoding,
+    ``omit_defaults``: the tag first, then the fields in vLLM's order, defaults left out);
+    "legacy": the pre-0.26 tagged arrays.
     """
-    out: list[list[Any]] = []
-    open_kind = ""
-    open_ctx: tuple[str, str, str] = ("", "", "")
+    groups: list[Any] = []  # _Stored, ("removed", [hash, ...]) or ("cleared",)
     last_key = b""
     for ev in events:
         if ev.kind == STORED:
-            ctx = (ev.namespace, ev.tenant, ev.lora_id)
-            hashes = [block_hash(k) for k in ev.block_hashes]
-            tokens = _tokens(ev.token_bytes)
-            entries = [(EXTRA_KEYS_TAG, ev.namespace, ev.tenant)] * len(hashes)
-            if (open_kind == STORED and ctx == open_ctx and last_key
-                    and ev.parent_hash == last_key):
-                cur = out[-1]
-                cur[1].extend(hashes)
-                cur[3].extend(tokens)
-                if extra_keys:
-                    cur[8].extend(entries)
-            else:
-                parent = block_hash(ev.parent_hash) if ev.parent_hash else None
-                cur = ["BlockStored", hashes, parent, tokens, block_size, None, medium,
-                       ev.lora_id or None]
-                if extra_keys:
-                    cur.append(list(entries))
-                out.append(cur)
-                open_kind, open_ctx = STORED, ctx
+            cur = groups[-1] if groups else None
+            if not (isinstance(cur, _Stored) and last_key and ev.parent_hash == last_key
+                    and (cur.lora, cur.namespace, cur.tenant)
+                    == (ev.lora_id, ev.namespace, ev.tenant)):
+                cur = _Stored(ev)
+                groups.append(cur)
+            cur.hashes.extend(block_hash(k) for k in ev.block_hashes)
+            cur.tokens.extend(_tokens(ev.token_bytes))
             last_key = ev.block_hashes[-1] if ev.block_hashes else b""
-        elif ev.kind == REMOVED:
+            continue
+        last_key = b""
+        if ev.kind == REMOVED:
             hashes = [block_hash(k) for k in ev.block_hashes]
-            if open_kind == REMOVED:
-                out[-1][1].extend(hashes)
+            if groups and isinstance(groups[-1], tuple) and groups[-1][0] == "removed":
+                groups[-1][1].extend(hashes)
             else:
-                out.append(["BlockRemoved", hashes, medium])
-                open_kind = REMOVED
+                groups.append(("removed", hashes))
         elif ev.kind == CLEARED:
-            out.append(["AllBlocksCleared"])
-            open_kind = CLEARED
+            groups.append(("cleared",))
         else:  # pragma: no cover - EventLog makes no other kinds
             log.warning("unknown event kind %r not published", ev.kind)
+    legacy = wire_format == "legacy"
+    out: list[Any] = []
+    for g in groups:
+        if isinstance(g, _Stored):
+            out.append(_stored(g, block_size, medium, legacy, extra_keys, labels))
+        elif g[0] == "removed":
+            out.append(["BlockRemoved", g[1], medium] if legacy else
+                       {"type": "BlockRemoved", "block_hashes": g[1], "medium": medium})
+        else:
+            out.append(["AllBlocksCleared"] if legacy else {"type": "AllBlocksCleared"})
     return out
 
 
+def _stored(g: _Stored, block_size: int, medium: str, legacy: bool, extra_keys: bool,
+            labels: bool) -> Any:
+    """vLLM's BlockStored. ``lora_id`` (vLLM's integer adapter id) has no blockd counterpart:
+    nil. ``extra_keys``, one entry per block, are vLLM's block-hash extra inputs as it publishes
+    them: the LoRA name, or nil; the cache salt that vLLM adds to a first block is never
+    published (blockd's namespace, salt included, is already in the hash)."""
+    lora = g.lora or None
+    values: list[Any] = [g.hashes, g.parent, g.tokens, block_size, None, medium, lora]
+    if extra_keys:
+        values.append([(lora,) if lora else None for _ in g.hashes])
+    if legacy:
+        return ["BlockStored", *values]
+    names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+             "lora_name", "extra_keys")
+    event: dict[str, Any] = {"type": "BlockStored", **dict(zip(names, values, strict=False))}
+    if labels:
+        event[LABELS_FIELD] = {"namespace": g.namespace, "tenant": g.tenant}
+    return event
+
+
 def encode_batch(events: Iterable[Event], *, ts: float, block_size: int, medium: str,
-                 extra_keys: bool = True) -> bytes:
-    """One msgpack ``EventBatch``: ``[ts, [event, ...], data_parallel_rank=0]``."""
-    body = [float(ts), encode_events(events, block_size=block_size, medium=medium,
-                                     extra_keys=extra_keys), 0]
-    payload: bytes = msgpack.packb(body, use_bin_type=True)
+                 wire_format: str = "vllm", extra_keys: bool = True,
+                 labels: bool = False) -> bytes:
+    """One msgpack ``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank=0]`` (an array in
+    both formats; vLLM's publisher sets the rank, 0 for a single engine)."""
+    return _pack(ts, encode_events(events, block_size=block_size, medium=medium,
+                                   wire_format=wire_format, extra_keys=extra_keys,
+                                   labels=labels))
+
+
+def _pack(ts: float, events: list[Any]) -> bytes:
+    payload: bytes = msgpack.packb([float(ts), events, 0], use_bin_type=True)
     return payload
 
 
 class KvEventPublisher:
-    """Publishes ``Event`` records as vLLM KV-event batches on ZMQ; serves replays."""
+    """Publishes ``Event`` views as vLLM KV-event batches on ZMQ; serves replays."""
 
     def __init__(self, cfg: EventsConfig, *, block_size: int, medium: str) -> None:
         if not cfg.zmq_endpoint:
             raise InvalidArgument("events.zmq_endpoint is empty", field="events.zmq_endpoint")
-        if cfg.batch_ms < 0:
-            raise InvalidArgument("events.batch_ms must be >= 0", field="events.batch_ms")
-        if cfg.max_batch < 1:
-            raise InvalidArgument("events.max_batch must be >= 1", field="events.max_batch")
-        if cfg.replay_buffer < 1:
-            raise InvalidArgument("events.replay_buffer must be >= 1",
-                                  field="events.replay_buffer")
-        if cfg.hwm < 0:
-            raise InvalidArgument("events.hwm must be >= 0", field="events.hwm")
+        cfg.check()
         self.cfg = cfg
         self.block_size = block_size
         self.medium = medium
-        self.topic = cfg.topic.encode("utf-8")
+        #: The topic frame of every message (``EventsConfig.resolved_topic``).
+        self.topic = cfg.resolved_topic().encode("utf-8")
+        self.legacy = cfg.wire_format == "legacy"
         #: Bound endpoints (a "*" port resolved), set by ``start``.
         self.endpoint = ""
         self.replay_endpoint = ""
         #: Sequence number of the next batch: 0 first, +1 per batch (vLLM's numbering).
         self.next_seq = 0
-        self.batches_published = 0
-        self.events_published = 0
-        self.replays_served = 0
-        self.events_dropped = 0
-        self._overflowed = False
+        self._counts = dict.fromkeys(("published_batches", "published_events",
+                                      "dropped_batches", "dropped_events", "replays_served"), 0)
+        self._peers: set[int] = set()
+        self._stats_lock = threading.Lock()
+        self._overflowed = False  # event loop only
+        self._lost = False  # publisher thread only
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.replay_buffer)
         self._lock = threading.Lock()
@@ -149,6 +190,7 @@ class KvEventPublisher:
         self._ctx: zmq.Context[Any] | None = None
         self._pub: zmq.Socket[Any] | None = None
         self._router: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -161,6 +203,7 @@ class KvEventPublisher:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.cfg.hwm)
             pub.setsockopt(zmq.LINGER, 500)
+            self._monitor = pub.get_monitor_socket(_PEER_EVENTS)
             if self.cfg.zmq_connect:
                 pub.connect(self.cfg.zmq_endpoint)
             else:
@@ -178,37 +221,64 @@ class KvEventPublisher:
                 self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             ctx.destroy(linger=0)
-            self._pub = self._router = None
+            self._pub = self._router = self._monitor = None
             verb = "connect to" if self.cfg.zmq_connect and where.endswith("zmq_endpoint") \
                 else "bind"
             raise FailedPrecondition(f"cannot {verb} {getattr(self.cfg, where.split('.')[1])!r}: "
                                      f"{exc}", field=where) from None
         self._ctx = ctx
         self._threads = [threading.Thread(target=self._publish_loop, name="blockd-kv-pub",
+                                          daemon=True),
+                         threading.Thread(target=self._socket_loop, name="blockd-kv-sockets",
                                           daemon=True)]
-        if self._router is not None:
-            self._threads.append(threading.Thread(target=self._replay_loop,
-                                                  name="blockd-kv-replay", daemon=True))
         for t in self._threads:
             t.start()
-        log.info("kv events publishing endpoint=%s (%s) replay=%s topic=%s", self.endpoint,
-                 "connected" if self.cfg.zmq_connect else "bound", self.replay_endpoint or "-",
-                 self.cfg.topic)
+        log.info("kv events publishing", extra=logs.fields(
+            endpoint=self.endpoint, mode="connected" if self.cfg.zmq_connect else "bound",
+            replay=self.replay_endpoint or None, topic=self.topic.decode(),
+            wire_format=self.cfg.wire_format))
 
     def submit(self, ev: Event) -> None:
-        """The EventLog listener: O(1), thread-safe, never blocks or raises.
+        """The EventLog listener (on the event loop): O(1), never blocks or raises.
 
         The queue is bounded by ``events.hwm``: if the publisher thread falls that far behind,
-        events are dropped rather than held, and the next batch starts with AllBlocksCleared so
-        that consumers drop their view instead of keeping a silently incomplete one.
+        events are dropped rather than held (counted in ``dropped_events``; each unbroken run of
+        them in ``dropped_batches``), and the first event queued after the run is preceded by
+        AllBlocksCleared, so that consumers drop their view instead of keeping a silently
+        incomplete one (the dropped events never got a sequence number: no replay has them).
         """
         if self._closed:
             return
         if self._queue.qsize() >= self.cfg.hwm:
-            self.events_dropped += 1
+            with self._stats_lock:
+                self._counts["dropped_events"] += 1
+                if not self._overflowed:
+                    self._counts["dropped_batches"] += 1
             self._overflowed = True
             return
+        if self._overflowed:
+            self._overflowed = False
+            self._queue.put(Event(0, CLEARED))
         self._queue.put(ev)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start, safe to read from any thread (docs/kv_events.md, "Counters").
+
+        ``published_batches``/``published_events``: batches sent on the PUB socket and the
+        vLLM events (BlockStored, BlockRemoved, AllBlocksCleared) in them. ``dropped_batches``:
+        batches lost
+        before a consumer could see them (a run of events dropped by a full queue, a batch
+        that failed to encode, or one the PUB socket refused; the last kind can be replayed).
+        ``dropped_events``: blockd's events (one per block, or a clear) in the first two
+        kinds. ``replays_served``: replay
+        requests answered. ``subscribers``: peers connected to the PUB socket now (the socket
+        monitor's accepted or connected minus disconnected connections, whatever topics they
+        subscribe to).
+        """
+        with self._stats_lock:
+            out = dict(self._counts)
+            out["subscribers"] = len(self._peers)
+        return out
 
     def stop(self, timeout: float = 5.0) -> None:
         """Publish what is queued, stop the threads and close the sockets (blocking)."""
@@ -222,13 +292,14 @@ class KvEventPublisher:
         if any(t.is_alive() for t in self._threads):
             log.warning("kv events threads did not stop within %.1fs", timeout)
             return  # the sockets are still in use; daemon threads die with the process
-        for sock in (self._pub, self._router):
+        if self._pub is not None:
+            self._pub.disable_monitor()
+        for sock in (self._monitor, self._pub, self._router):
             if sock is not None:
-                sock.close()
+                sock.close(linger=0 if sock is not self._pub else None)
         if self._ctx is not None:
             self._ctx.term()
-        log.info("kv events stopped batches=%d events=%d replays=%d", self.batches_published,
-                 self.events_published, self.replays_served)
+        log.info("kv events stopped", extra=logs.fields(**self.stats()))
 
     # -- publishing (publisher thread) ---------------------------------------------------------
 
@@ -267,32 +338,43 @@ class KvEventPublisher:
     def _flush(self, batch: list[Event]) -> None:
         if not batch:
             return
-        if self._overflowed:
-            self._overflowed = False
-            log.warning("kv events queue overflowed: %d events dropped, announcing "
-                        "AllBlocksCleared", self.events_dropped)
+        if self._lost:  # the previous batch never got a sequence number: say so
+            self._lost = False
             batch = [Event(0, CLEARED), *batch]
         try:
-            payload = encode_batch(batch, ts=time.time(), block_size=self.block_size,
-                                   medium=self.medium, extra_keys=self.cfg.extra_keys)
+            events = encode_events(batch, block_size=self.block_size, medium=self.medium,
+                                   wire_format=self.cfg.wire_format,
+                                   extra_keys=self.cfg.extra_keys, labels=self.cfg.labels)
+            payload = _pack(time.time(), events)
         except Exception:
-            log.exception("encoding a batch of %d events failed; they are not published",
-                          len(batch))
+            log.exception("encoding a batch failed; it is not published",
+                          extra=logs.fields(events=len(batch)))
+            self._lost = True
+            with self._stats_lock:
+                self._counts["dropped_batches"] += 1
+                self._counts["dropped_events"] += len(batch)
             return
         seq = self.next_seq
         self.next_seq += 1
         with self._lock:  # buffered before it is sent: whoever sees seq N can replay N
             self._buffer.append((seq, payload))
         assert self._pub is not None
+        sent = True
         try:
             self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload],
                                      flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # PUB drops rather than blocks; this is unexpected
-            log.warning("publishing batch %d failed: %s", seq, exc)
-        self.batches_published += 1
-        self.events_published += len(batch)
+            sent = False
+            log.warning("publishing a batch failed (it can be replayed)",
+                        extra=logs.fields(seq=seq, error=str(exc)))
+        with self._stats_lock:
+            if sent:
+                self._counts["published_batches"] += 1
+                self._counts["published_events"] += len(events)
+            else:
+                self._counts["dropped_batches"] += 1
 
-    # -- replay (replay thread) ----------------------------------------------------------------
+    # -- replay and peers (socket thread) ------------------------------------------------------
 
     def buffered(self, start_seq: int) -> list[tuple[int, bytes]]:
         """The buffered batches with sequence number >= ``start_seq``, oldest first."""
@@ -302,42 +384,57 @@ class KvEventPublisher:
             skip = max(0, start_seq - self._buffer[0][0])
             return list(itertools.islice(self._buffer, skip, None))
 
-    def _replay_loop(self) -> None:
-        router = self._router
-        assert router is not None
+    def _socket_loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
+        for sock in (self._router, self._monitor):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         while not self._stopping.is_set():
             try:
-                if not poller.poll(100):
-                    continue
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                ready = dict(poller.poll(100))
+                if self._monitor is not None and self._monitor in ready:
+                    self._on_monitor(self._monitor)
+                if self._router is not None and self._router in ready:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    self._serve_replay(self._router, frames)
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:
                 if self._stopping.is_set():
                     return
-                log.warning("replay socket error: %s", exc)
-                continue
-            try:
-                self._serve_replay(router, frames)
+                log.warning("kv events socket error", extra=logs.fields(error=str(exc)))
             except Exception:
-                log.exception("serving a replay request failed")
+                log.exception("serving the kv events sockets failed")
+
+    def _on_monitor(self, monitor: zmq.Socket[Any]) -> None:
+        msg = recv_monitor_message(monitor, zmq.NOBLOCK)
+        event, fd = msg["event"], int(msg["value"])  # the connection's file descriptor
+        with self._stats_lock:
+            if event == zmq.EVENT_DISCONNECTED:
+                self._peers.discard(fd)
+            elif event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                self._peers.add(fd)
 
     def _serve_replay(self, router: zmq.Socket[Any], frames: list[bytes]) -> None:
         # [identity, b"", start_seq]: a REQ client adds the empty delimiter itself; a DEALER
-        # client sends it explicitly.
+        # client sends it explicitly (one without it is served too).
         identity = frames[0]
         body = frames[2:] if len(frames) >= 3 and frames[1] == b"" else frames[1:]
+        # vLLM: [b"", topic, seq, payload] per batch, [b"", b"", END, b""] at the end.
+        head = [identity, b""] if self.legacy else [identity, b"", self.topic]
+        end = [identity, b"", END_SEQ, b""] if self.legacy else [identity, b"", b"", END_SEQ,
+                                                                  b""]
         if len(body) != 1 or len(body[0]) != 8:
-            log.debug("malformed replay request (%d frames); answered with END only", len(frames))
-            router.send_multipart([identity, b"", END_SEQ, b""])
+            log.debug("malformed replay request answered with the end marker only",
+                      extra=logs.fields(frames=len(frames)))
+            router.send_multipart(end)
             return
         start = int.from_bytes(body[0], "big")
         batches = self.buffered(start)
         for seq, payload in batches:
-            router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload],
-                                  flags=zmq.NOBLOCK, copy=False)
-        router.send_multipart([identity, b"", END_SEQ, b""], flags=zmq.NOBLOCK)
-        self.replays_served += 1
-        log.debug("replayed batches=%d from seq=%d", len(batches), start)
+            router.send_multipart([*head, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK,
+                                  copy=False)
+        router.send_multipart(end, flags=zmq.NOBLOCK)
+        with self._stats_lock:
+            self._counts["replays_served"] += 1
+        log.debug("replayed", extra=logs.fields(batches=len(batches), start_seq=start))

@@ -74,6 +74,8 @@ ALLOWED: dict[str, set[grpc.StatusCode]] = {
     "Stats": {S.OK, S.UNAUTHENTICATED},
     # NOT_FOUND: an admin naming a tenant that is not configured (field tenant_id).
     "FlushNamespace": _AUTH | {S.INVALID_ARGUMENT, S.NOT_FOUND},
+    # NOT_FOUND: an admin naming a tenant that is not configured (field tenant_id).
+    "ListSequences": _AUTH | {S.INVALID_ARGUMENT, S.NOT_FOUND},
     # OK: the stream stayed open until the test's own deadline.
     "WatchEvents": {S.OK, S.UNAUTHENTICATED, S.PERMISSION_DENIED, S.OUT_OF_RANGE},
 }
@@ -537,6 +539,17 @@ def check_response(method: str, request: Any, resp: Any, who: str | None) -> Non
         for b in resp.blocks:
             if b.ref_count < 1 or b.physical_block >= NUM_BLOCKS or b.state in (0, 1):
                 fail("malformed BlockInfo", method, request, out)
+    elif method == "ListSequences":
+        # Never another tenant's sequence for a non-admin; one ordered, bounded page.
+        allowed = set(TENANTS) if who == "admin" else set(WORKERS.get(who or "", ()))
+        ids = [s.sequence_id for s in resp.sequences]
+        if ids != sorted(ids) or len(ids) > (request.page_size or 1000):
+            fail("ListSequences page out of order or too long", method, request, out)
+        if who != "admin" and any(s.tenant_id not in allowed for s in resp.sequences):
+            fail("ListSequences lists another tenant's sequence", method, request, out)
+        if resp.block_size != BLOCK_SIZE or (request.page_token and ids
+                                             and ids[0] <= request.page_token):
+            fail("malformed ListSequencesResponse", method, request, out)
     elif method == "Stats":
         total = (resp.blocks_free + resp.blocks_writing + resp.blocks_committed
                  + resp.blocks_pending + resp.blocks_cached)
@@ -551,12 +564,19 @@ def check_response(method: str, request: Any, resp: Any, who: str | None) -> Non
         fail("malformed HeartbeatResponse", method, request, out)
 
 
-def check_events(request: pb.WatchEventsRequest, events: list[pb.WatchEventsResponse]) -> None:
+def check_events(request: pb.WatchEventsRequest, events: list[pb.WatchEventsResponse], *,
+                 admin: bool) -> None:
+    """An admin sees every event, gap-free from ``since_sequence``; another credential sees
+    only its tenants' domains (docs/kv_events.md), so its numbers only ever increase."""
     out = Outcome(S.OK, "", responses=events)
     for prev, ev in zip(events, events[1:], strict=False):
-        if ev.sequence_number != prev.sequence_number + 1:
+        if admin and ev.sequence_number != prev.sequence_number + 1:
             fail("event sequence numbers are not gap-free", "WatchEvents", request, out)
-    if events and request.since_sequence and events[0].sequence_number != request.since_sequence:
+        if ev.sequence_number <= prev.sequence_number:
+            fail("event sequence numbers go backwards", "WatchEvents", request, out)
+    first = events[0].sequence_number if events else None
+    since = request.since_sequence
+    if first is not None and since and (first != since if admin else first < since):
         fail("replay does not start at since_sequence", "WatchEvents", request, out)
     for ev in events:
         if ev.WhichOneof("event") == "block_stored":
