@@ -2,12 +2,19 @@
 
     blockctl stats                 blocks by state, hit rate, sessions
     blockctl tenants               per-tenant usage and quota
+    blockctl sequences             the live sequences of the caller's tenants (ids for inspect)
     blockctl inspect SEQ           every position's logical block, offset, physical block, slot
     blockctl watch                 stream block events (stored / removed / cleared)
-    blockctl flush --tenant T      drop cached blocks (also --model-id, --model-revision, --lora)
+    blockctl flush                 drop the caller's tenant's cached blocks (also --tenant,
+                                   --model-id, --model-revision, --lora)
 
 Readable tables by default, ``--json`` for scripts. The credential comes from ``--token`` or
-``$BLOCKD_TOKEN``; the daemon from ``--target`` (``unix:PATH`` or ``HOST:PORT``).
+``$BLOCKD_TOKEN`` (none: the anonymous caller of the laptop default, who acts for tenant
+``default``). The daemon is ``--target`` (``unix:PATH`` or ``HOST:PORT``), else
+``$BLOCKD_TARGET``, else the Unix socket a daemon started with the same environment listens on
+(``$BLOCKD_SERVER_UNIX_SOCKET`` or the absolute default of ``blockd.config``), so blockctl works
+from any directory. Exit status: 0 done, 1 the daemon refused (its status and message on one
+line), 2 no daemon answering at the target or a usage error.
 """
 
 from __future__ import annotations
@@ -22,10 +29,39 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+import blockd
+from blockd import config
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 
-DEFAULT_TARGET = "unix:run/blockd.sock"
+#: Exit statuses (the module docstring).
+REFUSED, UNREACHABLE = 1, 2
+
+
+class UsageError(Exception):
+    """A command that cannot be sent as given; its message is printed as is."""
+
+
+def default_socket() -> str:
+    """The Unix socket a daemon started in this environment listens on by default."""
+    env = os.environ.get(config.ENV_PREFIX + "SERVER_UNIX_SOCKET")
+    if env:
+        return env
+    # ``default_unix_socket`` is where the daemon's default lives; an older blockd.config
+    # without it has the (relative) default in ServerConfig.
+    fn = getattr(config, "default_unix_socket", None)
+    return str(fn()) if callable(fn) else config.ServerConfig().unix_socket
+
+
+def default_target() -> str:
+    """``$BLOCKD_TARGET``, else ``unix:`` and ``default_socket()``."""
+    return os.environ.get("BLOCKD_TARGET") or f"unix:{default_socket()}"
+
+
+def unreachable(target: str, why: str) -> str:
+    """The one line blockctl prints when no daemon answers at ``target``."""
+    return (f"blockctl: no blockd is answering at {target} ({why}); start one with "
+            f"`blockd serve`, or name another with --target or $BLOCKD_TARGET")
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
@@ -110,28 +146,78 @@ def cmd_watch(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any
     return ""
 
 
+def cmd_sequences(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any) -> str:
+    found: list[pb.SequenceSummary] = []
+    token = ""
+    scope = None
+    while True:
+        want = min(10_000, args.limit - len(found)) if args.limit else 10_000
+        r = stub.ListSequences(pb.ListSequencesRequest(tenant_id=args.tenant or "",
+                                                       page_size=want, page_token=token),
+                               metadata=md, timeout=args.timeout)
+        scope = scope or r
+        found.extend(r.sequences)
+        token = r.next_page_token
+        if not token or (args.limit and len(found) >= args.limit):
+            break
+    if args.json:
+        return json.dumps([MessageToDict(s, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+                           for s in found], indent=1)
+    rows = [(s.sequence_id, s.tenant_id, s.worker_name or "-", s.num_tokens, s.num_blocks,
+             s.session_id) for s in found]
+    more = "; more not shown (raise --limit)" if token else ""
+    return (_table(rows, ("sequence", "tenant", "worker", "tokens", "blocks", "session"))
+            + f"\n\n{len(found)} sequences of {', '.join(scope.tenant_ids) or 'no tenant'}"
+            + more)
+
+
+def _own_tenant(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any) -> str:
+    """The tenant a non-admin's flush names when ``--tenant`` is not given ("" for an admin:
+    every tenant): the credential's one tenant, as the daemon reports it."""
+    scope = stub.ListSequences(pb.ListSequencesRequest(page_size=1), metadata=md,
+                               timeout=args.timeout)
+    if scope.admin:
+        return ""
+    if len(scope.tenant_ids) != 1:
+        raise UsageError("blockctl: name the tenant to flush with --tenant (this credential "
+                         f"acts for {', '.join(scope.tenant_ids) or 'no tenant'})")
+    return str(scope.tenant_ids[0])
+
+
 def cmd_flush(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any) -> str:
+    tenant = args.tenant or _own_tenant(stub, args, md)
     r = stub.FlushNamespace(pb.FlushNamespaceRequest(
         model_id=args.model_id or "", model_revision=args.model_revision or "",
-        lora_id=args.lora or "", tenant_id=args.tenant or ""), metadata=md,
+        lora_id=args.lora or "", tenant_id=tenant), metadata=md,
         timeout=args.timeout)
-    return _dump(r) if args.json else f"flushed {r.num_blocks_flushed} blocks"
+    if args.json:
+        return _dump(r)
+    return f"flushed {r.num_blocks_flushed} blocks" + (f" of tenant {tenant}" if tenant else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blockctl", description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=os.environ.get("BLOCKD_TARGET", DEFAULT_TARGET),
-                   help="unix:PATH or HOST:PORT (default: $BLOCKD_TARGET or %(default)s)")
+    p.add_argument("--version", action="version", version=f"blockctl {blockd.__version__}")
+    p.add_argument("--target", default=None,
+                   help="unix:PATH or HOST:PORT (default: $BLOCKD_TARGET, else the daemon's "
+                        f"default socket, now unix:{default_socket()})")
     p.add_argument("--token", default=os.environ.get("BLOCKD_TOKEN", ""),
-                   help="bearer token (default: $BLOCKD_TOKEN)")
+                   help="bearer token (default: $BLOCKD_TOKEN; none: anonymous)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("stats", help="blocks by state, hit rate, sessions")
     sub.add_parser("tenants", help="per-tenant usage and quota")
+    ls = sub.add_parser("sequences", help="live sequences of the caller's tenants")
+    ls.add_argument("--tenant", help="only this tenant's (default: every tenant the "
+                                     "credential acts for)")
+    ls.add_argument("--limit", type=int, default=1000,
+                    help="show at most this many (0 = all; default %(default)s)")
     ins = sub.add_parser("inspect", help="every position's block, offset and physical slot")
-    ins.add_argument("sequence")
-    ins.add_argument("--session", help="the sequence's session (admins may omit it)")
+    ins.add_argument("sequence", help="a sequence id (blockctl sequences lists them)")
+    ins.add_argument("--session", help="the sequence's session (default: found by the daemon, "
+                                       "for a sequence of the caller's tenants)")
     ins.add_argument("--start", type=int, default=0)
     ins.add_argument("--count", type=int, default=0, help="positions to show (0 = all)")
     w = sub.add_parser("watch", help="stream block events")
@@ -141,19 +227,37 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--model-id")
     f.add_argument("--model-revision")
     f.add_argument("--lora")
-    f.add_argument("--tenant")
-    args = p.parse_args(argv)
+    f.add_argument("--tenant", help="default: the credential's own tenant (an admin's: every "
+                                    "tenant)")
+    return p
 
+
+COMMANDS = {"stats": cmd_stats, "tenants": cmd_tenants, "sequences": cmd_sequences,
+            "inspect": cmd_inspect, "watch": cmd_watch, "flush": cmd_flush}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    target = args.target or default_target()
+    if target.startswith("unix:") and not os.path.exists(target.removeprefix("unix:")):
+        print(unreachable(target, "no socket there"), file=sys.stderr)
+        return UNREACHABLE
     md = (("authorization", f"Bearer {args.token}"),) if args.token else ()
-    commands = {"stats": cmd_stats, "tenants": cmd_tenants, "inspect": cmd_inspect,
-                "watch": cmd_watch, "flush": cmd_flush}
-    with grpc.insecure_channel(args.target) as channel:
+    with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.BlockdServiceStub(channel)
         try:
-            out = commands[args.command](stub, args, md)
+            out = COMMANDS[args.command](stub, args, md)
+        except UsageError as err:
+            print(err, file=sys.stderr)
+            return UNREACHABLE
         except grpc.RpcError as err:
-            print(f"blockctl: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
+            code = err.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                why = (err.details() or "unavailable").splitlines()[0]
+                print(unreachable(target, why), file=sys.stderr)
+                return UNREACHABLE
+            print(f"blockctl: {code.name}: {err.details()}", file=sys.stderr)
+            return REFUSED
         except KeyboardInterrupt:
             return 130
     if out:

@@ -329,14 +329,13 @@ def main(argv: list[str]) -> int:
         n, worst = check_logits(model, states)
         summary["logits_checked"] = n
         summary["logits_max_abs_diff"] = worst
+    summary["model"] = model_label(cfg.num_layers, cfg.seed)
     print(render(summary))
     if not args.no_plot:
-        title = (f"blockd demo: {summary['requests']} requests, {cfg.num_layers}-layer "
-                 f"TinyLlama, pool {args.num_blocks} x {args.block_size} tokens "
-                 f"({args.device})")
+        title = plot_title(summary)
         plot(timeline, args.num_blocks, args.out, title)
         args.out.with_suffix(".json").write_text(json.dumps(
-            {"summary": summary, "args": {k: str(v) for k, v in vars(args).items()},
+            {"title": title, "summary": summary, "args": {k: str(v) for k, v in vars(args).items()},
              "steps": [asdict(r) for r in timeline.records]}, indent=1) + "\n")
         print(f"plot: {args.out}  data: {args.out.with_suffix('.json')}")
     return 0
@@ -379,11 +378,26 @@ def summarize(args: argparse.Namespace, engine: Any, states: list[Any], stats: A
     }
 
 
+#: What the demo serves, said wherever it reports: the shape of TinyLlama, none of its weights.
+MODEL = "TinyLlama-shaped model with seeded random weights"
+
+
+def model_label(num_layers: int, seed: int) -> str:
+    """The model as the summary and the plot name it (the weights are random, not trained)."""
+    return f"{num_layers}-layer {MODEL} (seed {seed})"
+
+
+def plot_title(s: dict[str, Any]) -> str:
+    return (f"blockd demo: {s['requests']} requests, {s['model']}, pool {s['num_blocks']} x "
+            f"{s['block_size']} tokens ({s['device']})")
+
+
 def render(s: dict[str, Any]) -> str:
     lines = [
         f"blockd demo: {s['requests']} requests ({s['samples']} samples), "
         f"{s['prompt_tokens']:,} prompt tokens, {s['generated_tokens']:,} generated, "
         f"{s['steps']} steps in {s['seconds']:.1f} s on {s['device']}",
+        f"  model                  {s['model']}",
         f"  prefix hit rate        {s['prefix_hit_rate']:6.1%} of admitted prompt tokens "
         f"({s['prefix_hit_tokens']:,} of {s['prefix_queried_tokens']:,}); "
         f"{s['prompt_tokens_computed']:,} prompt tokens computed",

@@ -6,11 +6,14 @@ for every running sequence (one AppendBatchOp), commits blocks as they fill, and
 finished sequence and admits a new one in its place, all on one long-lived StepStream. Fences
 advance every step; the worker publishes completion through Heartbeat-free ``completed_fence``.
 
-Bounded in count and time, loopback or Unix socket only. Reports steps/s, p50/p99 Step latency
-and every non-OK status. With ``--metrics URL`` it also reads the daemon's invariant-check
-counters before and after the run (a daemon started with ``server.invariant_check_interval_ms``
-checks every invariant periodically, between calls; ``server.check_invariants`` checks after
-every call) and reports how many checks ran during the load and how many failed.
+Bounded in count and time, loopback or Unix socket only. While it runs it prints a progress
+line to stderr every ``--progress`` seconds (elapsed time, workers running, steps done, steps/s
+since the last line, errors so far); at the end a summary (``--json``: the result as JSON) with
+steps/s, p50/p99 Step latency and every non-OK status. With ``--metrics URL`` it also reads
+the daemon's invariant-check counters before and after the run (a daemon started with
+``server.invariant_check_interval_ms`` checks every invariant periodically, between calls;
+``server.check_invariants`` checks after every call) and reports how many checks ran during
+the load and how many failed.
 """
 
 from __future__ import annotations
@@ -18,16 +21,31 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import queue
 import random
 import statistics
+import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
-DEFAULT_TARGET = "unix:run/blockd.sock"
+from blockd_apps.ctl import default_target, unreachable
+
+#: How often each worker tells the parent how far it got, seconds.
+WORKER_REPORT_S = 0.5
 
 
 def _worker(index: int, args: dict[str, Any], out: Any) -> None:
+    """One worker process: its run, or the status that ended it, reported to the parent."""
+    import grpc
+
+    try:
+        _work(index, args, out)
+    except grpc.RpcError as err:
+        out.put(("failed", index, f"{err.code().name}: {err.details()}"))
+
+
+def _work(index: int, args: dict[str, Any], out: Any) -> None:
     import grpc
 
     from blockd.api.v1 import blockd_pb2 as pb
@@ -96,7 +114,11 @@ def _worker(index: int, args: dict[str, Any], out: Any) -> None:
     deadline = time.monotonic() + args["duration"]
     latencies.clear()
     steps = 0
-    while time.monotonic() < deadline and steps < args["max_steps"]:
+    next_report = time.monotonic() + WORKER_REPORT_S
+    while (now := time.monotonic()) < deadline and steps < args["max_steps"]:
+        if now >= next_report:
+            out.put(("progress", index, {"steps": steps, "errors": sum(errors.values())}))
+            next_report = now + WORKER_REPORT_S
         ids = list(live)
         ops = [pb.Operation(append_batch=pb.AppendBatchOp(
             sequence_ids=ids, token_ids=[rng.randrange(50_000) for _ in ids]))] if ids else []
@@ -150,9 +172,56 @@ def scrape_counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
 INVARIANT_COUNTERS = ("blockd_invariant_checks_total", "blockd_invariant_violations_total")
 
 
+class Progress:
+    """The progress lines of a run: where the workers are, every ``interval`` seconds."""
+
+    def __init__(self, workers: int, interval: float, stream: TextIO) -> None:
+        self.workers = workers
+        self.interval = interval
+        self.stream = stream
+        self.t0 = self.last_t = time.monotonic()
+        self.next_t = self.t0 + interval
+        self.last_steps = 0
+        self.ready: set[int] = set()
+        self.done: set[int] = set()
+        #: Each worker's latest report: steps done and errors so far.
+        self.seen: dict[int, dict[str, int]] = {}
+
+    def note(self, kind: str, index: int, payload: Any) -> None:
+        if kind == "ready":
+            self.ready.add(index)
+        elif kind == "progress":
+            self.seen[index] = payload
+        elif kind == "failed":
+            self.done.add(index)
+            print(f"blockd load: worker {index} stopped: {payload}", file=self.stream,
+                  flush=True)
+        elif kind == "done":
+            self.done.add(index)
+            self.seen[index] = {"steps": payload["steps"],
+                                "errors": sum(payload["errors"].values())}
+
+    def tick(self) -> None:
+        """Print a line if one is due."""
+        now = time.monotonic()
+        if not self.interval or now < self.next_t:
+            return
+        steps = sum(r["steps"] for r in self.seen.values())
+        errors = sum(r["errors"] for r in self.seen.values())
+        rate = (steps - self.last_steps) / (now - self.last_t)
+        running = len(self.ready - self.done)
+        state = (f"{running}/{self.workers} workers running" if self.ready
+                 else f"starting {self.workers} workers")
+        print(f"blockd load: {now - self.t0:.0f} s, {state}, {steps} steps, {rate:.0f} steps/s, "
+              f"{errors} errors", file=self.stream, flush=True)
+        self.last_t, self.last_steps = now, steps
+        self.next_t = now + self.interval
+
+
 def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration: float,
-        layout: dict[str, int], max_steps: int = 10**7, metrics_url: str = ""
-        ) -> dict[str, Any]:
+        layout: dict[str, int], max_steps: int = 10**7, metrics_url: str = "",
+        progress: float = 0.0, progress_stream: TextIO = sys.stderr) -> dict[str, Any]:
+    """Run the load; ``progress`` > 0: a progress line every that many seconds."""
     before = scrape_counters(metrics_url, INVARIANT_COUNTERS) if metrics_url else {}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -165,13 +234,16 @@ def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration:
     results: dict[int, Any] = {}
     t0 = time.monotonic()
     limit = duration + 300
+    shown = Progress(workers, progress, progress_stream)
     while len(results) < workers and time.monotonic() - t0 < limit:
+        shown.tick()
         try:
-            kind, index, payload = out.get(timeout=1)
+            kind, index, payload = out.get(timeout=min(1.0, progress or 1.0))
         except queue.Empty:
             if not any(p.is_alive() for p in procs):
                 break
             continue
+        shown.note(kind, index, payload)
         if kind == "done":
             results[index] = payload
     for p in procs:
@@ -204,8 +276,14 @@ def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="blockd load", description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=DEFAULT_TARGET, help="unix:PATH or 127.0.0.1:PORT")
-    p.add_argument("--token", default="")
+    p.add_argument("--target", default=None,
+                   help="unix:PATH or 127.0.0.1:PORT (default: blockctl's: $BLOCKD_TARGET, else "
+                        "the daemon's default socket)")
+    p.add_argument("--token", default=os.environ.get("BLOCKD_TOKEN", ""),
+                   help="bearer token (default: $BLOCKD_TOKEN; none: anonymous)")
+    p.add_argument("--token-file", default=None,
+                   help="read the bearer token from this file, e.g. a mounted Secret "
+                        "(overrides --token)")
     p.add_argument("--tenant", default="default")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--seqs", type=int, default=256, help="running sequences per worker")
@@ -215,20 +293,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="the pool's KvLayout as JSON (proto field names and enum numbers)")
     p.add_argument("--metrics", default="",
                    help="the daemon's metrics URL: report its invariant checks during the run")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--progress", type=float, default=5.0,
+                   help="seconds between progress lines on stderr (0: none; default "
+                        "%(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
-    target = args.target
+    if args.token_file:
+        from blockd_client.retry import read_token_file
+
+        try:
+            args.token = read_token_file(args.token_file)
+        except ValueError as exc:
+            p.error(str(exc))
+    target = args.target or default_target()
     host = target.removeprefix("unix:") if target.startswith("unix:") else target.split(":")[0]
     if not (target.startswith("unix:") or host in ("127.0.0.1", "localhost", "[::1]")):
         p.error("--target must be a Unix socket or a loopback address")
+    if target.startswith("unix:") and not os.path.exists(target.removeprefix("unix:")):
+        print(unreachable(target, "no socket there").replace("blockctl:", "blockd load:"),
+              file=sys.stderr)
+        return 2
     res = run(target, args.token, args.tenant, args.workers, args.seqs,
-              min(args.duration, 3600.0), json.loads(args.layout), metrics_url=args.metrics)
+              min(args.duration, 3600.0), json.loads(args.layout), metrics_url=args.metrics,
+              progress=max(0.0, args.progress))
     if args.json:
         print(json.dumps(res, indent=1))
     else:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f} ms"
+
         print(f"{res['workers_finished']}/{res['workers']} workers x {res['seqs_per_worker']} "
               f"sequences for {res['duration_s']:.0f} s: {res['steps_per_s']:.0f} steps/s, "
-              f"Step p50 {res['step_p50_ms']:.2f} ms, p99 {res['step_p99_ms']:.2f} ms; "
+              f"Step p50 {ms(res['step_p50_ms'])}, p99 {ms(res['step_p99_ms'])}; "
               f"preempted {res['preempted']}, admission waits {res['admission_waits']}; "
               f"errors {res['errors_by_code'] or 'none'}"
               + (f"; invariant checks {res['invariant_checks']}, violations "

@@ -7,7 +7,8 @@ server and the apps never read the rooms' arrays. Nothing here changes any state
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+from collections.abc import Collection, Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,14 @@ from blockd.core.events import BlockStored
 from blockd.core.fences import Session
 from blockd.core.invariants import check_invariants
 from blockd.core.namespace import Namespace, NamespaceTable, PrefixScope
-from blockd.core.results import BlockInfo, Counters, PositionInfo, SessionView, TenantUsage
+from blockd.core.results import (
+    BlockInfo,
+    Counters,
+    PositionInfo,
+    SequenceSummary,
+    SessionView,
+    TenantUsage,
+)
 from blockd.core.sequence import Sequence, as_token_bytes
 from blockd.core.tenants import TenantPolicy, TenantTable
 
@@ -163,6 +171,19 @@ class CoreQueries:
         """The session holding a live sequence (an operator's lookup), or None."""
         seq = self.sequences.get(seq_id)
         return seq.session if seq is not None else None
+
+    def sequences_of(self, tenant_ids: Collection[str] | None, after: str = "",
+                     limit: int = 1000) -> list[SequenceSummary]:
+        """Live sequences of these tenants (``None``: every tenant), in sequence-id order,
+        those whose id sorts after ``after``, at most ``limit``: an operator's paged listing
+        (O(sequences) per page; not for the hot path). Unknown tenant ids match nothing."""
+        t = self.tenants
+        slots = None if tenant_ids is None else {t.slot(x) for x in tenant_ids if x in t}
+        chosen = heapq.nsmallest(limit, (s for s in self.sequences.values()
+                                         if s.id > after and (slots is None or s.tenant in slots)),
+                                 key=lambda s: s.id)
+        return [SequenceSummary(s.id, s.session, t.policies[s.tenant].tenant_id, s.num_tokens,
+                                len(s.table)) for s in chosen]
 
     @property
     def num_sequences(self) -> int:

@@ -139,3 +139,15 @@ class SessionView:
     num_unreported_preemptions: int
     #: The lowest fence that still holds releases or commits back, or None.
     oldest_waiting_fence: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSummary:
+    """One live sequence as an operator's listing shows it (``CoreQueries.sequences_of``)."""
+
+    seq_id: str
+    session_id: str
+    tenant_id: str
+    num_tokens: int
+    #: Blocks in its table: ceil(num_tokens / block_size).
+    num_blocks: int

@@ -25,6 +25,7 @@ from blockd.core.results import (
     CopyOp,
     DoesNotFit,
     PositionInfo,
+    SequenceSummary,
     TenantUsage,
 )
 from blockd.core.spec import PoolSpec
@@ -204,6 +205,12 @@ def inspect_response(resp: pb.InspectResponse, positions: Iterable[PositionInfo]
                         state=_BLOCK_STATES[b.state], ref_count=b.ref_count,
                         shared=b.ref_count > 1)
     return resp
+
+
+def sequence_summary(s: SequenceSummary, worker_name: str) -> pb.SequenceSummary:
+    return pb.SequenceSummary(sequence_id=s.seq_id, session_id=s.session_id,
+                              tenant_id=s.tenant_id, worker_name=worker_name,
+                              num_tokens=s.num_tokens, num_blocks=s.num_blocks)
 
 
 def watch_event(ev: Event, *, epoch: int, block_size: int, medium: str

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from blockd import wire
+from blockd import logs, wire
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config
 from blockd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
@@ -38,6 +38,10 @@ from blockd.runtime.step import StepLimits
 from blockd.runtime.tenants_file import Principal, TenantsFile
 
 log = logging.getLogger("blockd.daemon")
+
+#: ListSequences: sequences per page by default, and at most.
+DEFAULT_LIST_PAGE = 1000
+MAX_LIST_PAGE = 10_000
 
 
 def start(cfg: Config) -> Daemon:
@@ -57,8 +61,8 @@ def start(cfg: Config) -> Daemon:
         if store is None:
             raise
         kept = store.quarantine()
-        log.exception("recovering from %s failed: starting a new epoch (the snapshot and "
-                      "journal are kept in %s)", store.dir, kept)
+        log.exception("recovering failed: starting a new epoch (the snapshot and journal are "
+                      "kept)", extra=logs.fields(state_dir=store.dir, kept=kept))
     daemon = Daemon(cfg)
     daemon.recover()
     return daemon
@@ -118,6 +122,7 @@ class Daemon:
             log.warning("state.dir is set but the cuda pool cannot outlive the daemon: every "
                         "restart starts a new epoch (workers re-attach and recompute)")
             store.wipe()
+            store.close()
             return None
         return store
 
@@ -161,9 +166,10 @@ class Daemon:
         if m.tenant_policies() != {p.tenant_id: p for p in self.tenants.tenants}:
             self.reload_tenants(self.tenants)  # the file changed while the daemon was down
         if resumed:
-            log.info("recovered epoch=%d sessions=%d sequences=%d indexed_blocks=%d "
-                     "journal_records=%d seconds=%.4f", self.epoch, len(self.sessions),
-                     m.num_sequences, m.num_indexed, records, time.perf_counter() - t0)
+            log.info("recovered", extra=logs.fields(
+                epoch=self.epoch, sessions=len(self.sessions), sequences=m.num_sequences,
+                indexed_blocks=m.num_indexed, journal_records=records,
+                seconds=round(time.perf_counter() - t0, 4)))
 
     def _snapshot(self) -> None:
         self.recovery.snapshot(self.manager, self.sessions, self.spec, self.epoch)
@@ -197,7 +203,8 @@ class Daemon:
         self.recovery.record(["tenants", pickle.dumps(list(fresh.tenants))])
         self.tenants = self.sessions.tenants = fresh
         self._journalled()
-        log.info("tenants reloaded tenants=%d workers=%d", len(fresh.tenants), len(fresh.workers))
+        log.info("tenants reloaded", extra=logs.fields(tenants=len(fresh.tenants),
+                                                       workers=len(fresh.workers)))
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -300,6 +307,37 @@ class Daemon:
                                   block_size=self.spec.block_size, num_tokens=n)
         return convert.inspect_response(resp, positions, m.block_info(table))
 
+    def list_sequences(self, principal: Principal, req: pb.ListSequencesRequest
+                       ) -> pb.ListSequencesResponse:
+        """One page of the live sequences of the caller's tenants (every tenant for an
+        admin), in sequence-id order; the page token is the last id of the previous page."""
+        convert.check_id(req.tenant_id, "tenant_id", required=False)
+        convert.check_id(req.page_token, "page_token", required=False)
+        if req.page_size > MAX_LIST_PAGE:
+            raise InvalidArgument(f"page_size is at most {MAX_LIST_PAGE}", field="page_size")
+        m = self.manager
+        configured = sorted(m.tenant_policies())
+        if req.tenant_id:
+            if not principal.admin:
+                principal.require_tenant(req.tenant_id)
+            m.tenant_policy(req.tenant_id)  # NOT_FOUND on tenant_id for an unknown tenant
+            scope = [req.tenant_id]
+        else:
+            scope = configured if principal.admin else \
+                [t for t in configured if t in principal.tenants]
+        size = req.page_size or DEFAULT_LIST_PAGE
+        # An admin's whole listing includes sequences of tenants a reload removed.
+        every = principal.admin and not req.tenant_id
+        page = m.sequences_of(None if every else scope, after=req.page_token, limit=size + 1)
+        resp = pb.ListSequencesResponse(epoch=self.epoch, block_size=self.spec.block_size,
+                                        tenant_ids=scope, admin=principal.admin)
+        for s in page[:size]:
+            info = self.sessions.find(s.session_id)
+            resp.sequences.append(convert.sequence_summary(s, info.worker_name if info else ""))
+        if len(page) > size:
+            resp.next_page_token = page[size - 1].seq_id
+        return resp
+
     def stats(self, principal: Principal) -> pb.StatsResponse:
         m = self.manager
         counts = m.state_counts()
@@ -321,12 +359,20 @@ class Daemon:
 
     async def watch(self, principal: Principal, since: int
                     ) -> AsyncIterator[pb.WatchEventsResponse]:
-        """Every block event from ``since`` (0: from now on) until the daemon drains."""
-        if not principal.admin:
-            raise PermissionDenied("watching events needs an admin credential",
-                                   field="authorization")
+        """The block events the caller may see from ``since`` (0: from now on) until the
+        daemon drains (``blockd.runtime.events``, "who sees what"): the events of the sharing
+        domains of the tenants it acts for, with their token ids (on the laptop default the
+        local tenant watches its own); an admin also gets every other event, with other private
+        tenants' token ids withheld. Rights are those of the tenants file when the call starts.
+        """
+        policies = self.manager.tenant_policies()
+        domains = [policies[t].sharing_domain for t in principal.tenants if t in policies]
+        if not domains and not principal.admin:
+            raise PermissionDenied("this credential acts for no tenant, so it has no events "
+                                   "to watch", field="authorization")
+        audience = self.events.audience(domains, every_domain=principal.admin)
         B = self.spec.block_size
-        async for ev in self.events.follow(since, until=lambda: self.draining):
+        async for ev in self.events.follow(since, audience, until=lambda: self.draining):
             yield convert.watch_event(ev, epoch=self.epoch, block_size=B, medium=self.medium)
 
     def flush(self, principal: Principal, req: pb.FlushNamespaceRequest

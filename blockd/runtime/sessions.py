@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import LeaseConfig
 from blockd.core.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
@@ -106,14 +107,17 @@ class Sessions:
         return info
 
     def owning(self, principal: Principal, session_id: str, sequence_id: str) -> SessionInfo:
-        """The named session; an admin (an operator's blockctl) may leave it empty and name
-        only the sequence."""
-        if not session_id and principal.admin:
-            found = self.m.sequence_session(sequence_id)
-            if found is None:
-                raise NotFound("unknown sequence", field="sequence_id")
-            session_id = found
-        return self.get(principal, session_id)
+        """The named session (the caller's own, ``get``); or, with ``session_id`` empty (an
+        operator's blockctl), the session holding ``sequence_id`` when it acts for one of the
+        caller's tenants (any, for an admin). Another tenant's sequence is NOT_FOUND with the
+        very answer an unknown id gets: a listing or an inspection never reveals it exists."""
+        if session_id:
+            return self.get(principal, session_id)
+        found = self.m.sequence_session(sequence_id)
+        info = self._by_id.get(found) if found is not None else None
+        if info is None or not (principal.admin or info.tenant_id in principal.tenants):
+            raise NotFound("unknown sequence", field="sequence_id")
+        return info
 
     # -- attach, detach, leases ----------------------------------------------------------------
 
@@ -138,8 +142,8 @@ class Sessions:
             raise ResourceExhausted("the daemon's session limit is reached", reason="sessions")
         info = self.open(None, tenant_id, principal.name, worker_name, lease)
         self.record(["attach", info.id, info.tenant_id, info.owner, info.worker_name, lease])
-        log.info("session attached tenant=%s worker=%s lease_ms=%d", tenant_id, worker_name,
-                 lease)
+        log.info("session attached", extra=logs.fields(tenant=tenant_id, worker=worker_name,
+                                                       lease_ms=lease))
         return info
 
     def open(self, sid: str | None, tenant_id: str, owner: str, worker_name: str,
@@ -188,8 +192,9 @@ class Sessions:
         self.record(["detach", info.id, reason])
         if info.fence_page is not None:
             info.fence_page.close(unlink=True)
-        log.info("session closed tenant=%s worker=%s reason=%s sequences=%d", info.tenant_id,
-                 info.worker_name, reason, released)
+        log.info("session closed", extra=logs.fields(tenant=info.tenant_id,
+                                                     worker=info.worker_name, reason=reason,
+                                                     sequences=released))
         return released
 
     def reap(self) -> int:

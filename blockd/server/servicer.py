@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.core.errors import BlockdError
@@ -111,6 +112,11 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         return self.d.inspect(self._caller(context), request)
 
     @_rpc
+    async def ListSequences(self, request: pb.ListSequencesRequest, context: Any
+                            ) -> pb.ListSequencesResponse:
+        return self.d.list_sequences(self._caller(context), request)
+
+    @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         return self.d.stats(self._caller(context))
 
@@ -134,5 +140,5 @@ async def _abort(context: Any, exc: Exception, where: str) -> None:
         raise exc
     if isinstance(exc, BlockdError):
         await context.abort(grpc_status(exc), details(exc))
-    log.exception("internal error in %s", where, exc_info=exc)
+    log.exception("internal error", exc_info=exc, extra=logs.fields(rpc=where))
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by blockd)")

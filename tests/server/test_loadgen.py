@@ -1,12 +1,16 @@
 """`blockd load` against a real daemon that checks its invariants after every call."""
 
 import json
+import re
 import subprocess
 import sys
 
 from daemon_proc import TOKENS, md, start
 
 from blockd.api.v1 import blockd_pb2 as pb
+
+PROGRESS = re.compile(r"blockd load: \d+ s, (?P<running>starting \d+ workers|\d+/\d+ workers "
+                      r"running), (?P<steps>\d+) steps, \d+ steps/s, (?P<errors>\d+) errors")
 
 
 def test_load_generator_runs_clean_under_pool_pressure(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -22,16 +26,44 @@ def test_load_generator_runs_clean_under_pool_pressure(tmp_path) -> None:  # typ
             [sys.executable, "-m", "blockd_apps", "load", "--target", f"unix:{d.endpoints['unix']}",
              "--token", TOKENS["carol"], "--tenant", "initech", "--workers", "2", "--seqs",
              "16", "--duration", "3", "--layout", json.dumps(layout), "--json",
-             "--metrics", d.metrics_url],
+             "--metrics", d.metrics_url, "--progress", "0.5"],
             capture_output=True, text=True, timeout=180)
         res = json.loads(out.stdout)
         assert out.returncode == 0, out.stderr
         assert res["workers_finished"] == 2 and res["steps"] > 50
+        # Progress while it ran: a line every 0.5 s on stderr (the run lasts >= 3 s).
+        shown = [PROGRESS.fullmatch(line) for line in out.stderr.splitlines()]
+        assert len(shown) >= 3 and all(shown), out.stderr
+        steps = [int(m["steps"]) for m in shown if m]
+        assert steps == sorted(steps) and 0 < steps[-1] <= res["steps"]
+        assert {m["errors"] for m in shown if m} == {"0"}
+        assert any(m["running"] == "2/2 workers running" for m in shown if m)
         assert res["errors_by_code"] == {}  # no INTERNAL: invariants held after every call
         assert res["invariant_checks"] >= 10 and res["invariant_violations"] == 0
         stats = d.stub("unix").Stats(pb.StatsRequest(), metadata=md("admin"))
         assert stats.num_sequences == 0 and stats.num_sessions == 0
         assert stats.blocks_free + stats.blocks_cached == 160
         assert stats.prefix_hit_tokens_total > 0
+
+        # Text mode: progress lines, then the summary on stdout.
+        out = subprocess.run(
+            [sys.executable, "-m", "blockd_apps", "load", "--target", f"unix:{d.endpoints['unix']}",
+             "--token", TOKENS["carol"], "--tenant", "initech", "--workers", "1", "--seqs", "4",
+             "--duration", "1.5", "--layout", json.dumps(layout), "--progress", "0.5"],
+            capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr and all(PROGRESS.fullmatch(line) for line in out.stderr.splitlines())
+        summary = out.stdout.strip()
+        assert summary.startswith("1/1 workers x 4 sequences for 2 s: ") and "steps/s" in summary
+        assert summary.endswith("errors none"), summary
     finally:
         d.stop()
+
+
+def test_load_says_so_in_one_line_without_a_daemon(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    target = f"unix:{tmp_path / 'none.sock'}"
+    out = subprocess.run([sys.executable, "-m", "blockd_apps", "load", "--target", target,
+                          "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"blockd load: no blockd is answering at {target} (")
+    assert len(out.stderr.splitlines()) == 1

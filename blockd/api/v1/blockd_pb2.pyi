@@ -607,3 +607,45 @@ class FlushNamespaceResponse(_message.Message):
     NUM_BLOCKS_FLUSHED_FIELD_NUMBER: _ClassVar[int]
     num_blocks_flushed: int
     def __init__(self, num_blocks_flushed: _Optional[int] = ...) -> None: ...
+
+class ListSequencesRequest(_message.Message):
+    __slots__ = ("tenant_id", "page_size", "page_token")
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    tenant_id: str
+    page_size: int
+    page_token: str
+    def __init__(self, tenant_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListSequencesResponse(_message.Message):
+    __slots__ = ("epoch", "block_size", "sequences", "next_page_token", "tenant_ids", "admin")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TENANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    block_size: int
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceSummary]
+    next_page_token: str
+    tenant_ids: _containers.RepeatedScalarFieldContainer[str]
+    admin: bool
+    def __init__(self, epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., tenant_ids: _Optional[_Iterable[str]] = ..., admin: _Optional[bool] = ...) -> None: ...
+
+class SequenceSummary(_message.Message):
+    __slots__ = ("sequence_id", "session_id", "tenant_id", "worker_name", "num_tokens", "num_blocks")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    session_id: str
+    tenant_id: str
+    worker_name: str
+    num_tokens: int
+    num_blocks: int
+    def __init__(self, sequence_id: _Optional[str] = ..., session_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., worker_name: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...

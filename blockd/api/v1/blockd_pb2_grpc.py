@@ -92,6 +92,11 @@ class BlockdServiceStub:
                 request_serializer=blockd_dot_v1_dot_blockd__pb2.FlushNamespaceRequest.SerializeToString,
                 response_deserializer=blockd_dot_v1_dot_blockd__pb2.FlushNamespaceResponse.FromString,
                 _registered_method=True)
+        self.ListSequences = channel.unary_unary(
+                '/blockd.v1.BlockdService/ListSequences',
+                request_serializer=blockd_dot_v1_dot_blockd__pb2.ListSequencesRequest.SerializeToString,
+                response_deserializer=blockd_dot_v1_dot_blockd__pb2.ListSequencesResponse.FromString,
+                _registered_method=True)
 
 
 class BlockdServiceServicer:
@@ -186,9 +191,12 @@ class BlockdServiceServicer:
 
     def WatchEvents(self, request, context):
         """WatchEvents streams prefix-cache events (modelled on vLLM's KV events) for cluster-wide
-        prefix-aware routing. Requires a credential allowed to watch events (PERMISSION_DENIED (7)
-        otherwise). The stream carries the events of every tenant; token ids are withheld for
-        tenants whose sharing policy is private.
+        prefix-aware routing. A credential gets the events of the sharing domains of the tenants it
+        acts for, token ids included (a private tenant's own credential, or a router's credential
+        listing the tenants it routes; on the laptop default the anonymous caller, for "default").
+        An admin credential also gets every other tenant's events, with the token ids of private
+        tenants it does not act for withheld. A credential acting for no tenant and not an admin
+        gets PERMISSION_DENIED (7). Rights are read when the call starts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,6 +207,16 @@ class BlockdServiceServicer:
         Unreferenced (CACHED) matching blocks become FREE at once; referenced ones stay with their
         sequences and are freed normally on release. Requires a credential allowed to administer
         every tenant the filter can match (PERMISSION_DENIED (7) otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSequences(self, request, context):
+        """ListSequences lists the live sequences of the tenants the caller may act for (every
+        tenant for an admin), in sequence_id order, one bounded page at a time: an operator's
+        view (blockctl sequences), not for the hot path. A sequence listed here may be inspected
+        (Inspect, GetBlockTable) without its session_id by the same credential.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -261,6 +279,11 @@ def add_BlockdServiceServicer_to_server(servicer, server):
                     servicer.FlushNamespace,
                     request_deserializer=blockd_dot_v1_dot_blockd__pb2.FlushNamespaceRequest.FromString,
                     response_serializer=blockd_dot_v1_dot_blockd__pb2.FlushNamespaceResponse.SerializeToString,
+            ),
+            'ListSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSequences,
+                    request_deserializer=blockd_dot_v1_dot_blockd__pb2.ListSequencesRequest.FromString,
+                    response_serializer=blockd_dot_v1_dot_blockd__pb2.ListSequencesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -563,6 +586,33 @@ class BlockdService:
             '/blockd.v1.BlockdService/FlushNamespace',
             blockd_dot_v1_dot_blockd__pb2.FlushNamespaceRequest.SerializeToString,
             blockd_dot_v1_dot_blockd__pb2.FlushNamespaceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blockd.v1.BlockdService/ListSequences',
+            blockd_dot_v1_dot_blockd__pb2.ListSequencesRequest.SerializeToString,
+            blockd_dot_v1_dot_blockd__pb2.ListSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,
