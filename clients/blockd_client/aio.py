@@ -16,13 +16,15 @@ from blockd_client.session import SessionState, SessionViews, StepOutcome
 
 
 class AsyncClient(Connection):
-    """An asyncio connection to one blockd (same arguments as ``Client``)."""
+    """An asyncio connection to one blockd (same arguments as ``Client``, ``token_file``
+    included; the file is re-read on the event loop, a few bytes from a local mount)."""
 
     open_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def call(self, method: Any, request: Any, *, timeout: float | None = None) -> Any:
-        """One RPC with a deadline, retried on UNAVAILABLE only (the sync client's loop)."""
-        for attempt in self.retry.attempts():
+        """One RPC with a deadline, retried on UNAVAILABLE (and once on UNAUTHENTICATED with a
+        token file, after re-reading it): the sync client's loop."""
+        for attempt in self.retry.attempts(self.credential):
             async with attempt:
                 return await method(request, metadata=self.metadata,
                                     timeout=self.retry.deadline(timeout))

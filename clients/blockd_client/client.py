@@ -9,10 +9,15 @@ from its record (also by a daemon that recovered from a crash: it journals every
 answering), never applied twice. When the pool's epoch changes (a daemon without crash
 recovery restarted) the session re-attaches, re-maps the pool and raises ``EpochChanged`` so
 the engine re-admits its requests.
+
+The credential is a ``token`` or a ``token_file`` (default ``$BLOCKD_TOKEN_FILE``), the latter
+read at construction and again when the daemon answers UNAUTHENTICATED, so a rotated Kubernetes
+Secret takes effect without restarting the worker (``blockd_client.retry.Credential``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -22,7 +27,7 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd_client.errors import BlockdError, EpochChanged
 from blockd_client.requests import layout_proto
-from blockd_client.retry import RetryPolicy, auth_metadata, channel_options
+from blockd_client.retry import Credential, RetryPolicy, channel_options
 from blockd_client.session import SessionState, SessionViews, StepOutcome
 from blockd_client.stream import StepStreamer
 
@@ -32,18 +37,29 @@ T = TypeVar("T")
 class Connection:
     """What ``Client`` and ``AsyncClient`` share: the channel to one blockd (``target`` is
     ``unix:PATH`` or ``HOST:PORT``), its stub, the credential and the call policy
-    (``blockd_client.retry.RetryPolicy``). A subclass names its channel constructor."""
+    (``blockd_client.retry.RetryPolicy``). A subclass names its channel constructor.
+
+    ``token`` or ``token_file`` (not both; with neither, ``$BLOCKD_TOKEN_FILE`` if set): the
+    bearer credential. A token file that cannot be read or holds no single token raises
+    ``ValueError`` naming ``token_file`` and the path, before any channel is opened."""
 
     #: ``grpc.insecure_channel`` or ``grpc.aio.insecure_channel``.
     open_channel: Callable[..., Any] = staticmethod(grpc.insecure_channel)
 
-    def __init__(self, target: str, *, token: str = "", timeout: float = 10.0,
+    def __init__(self, target: str, *, token: str = "",
+                 token_file: str | os.PathLike[str] | None = None, timeout: float = 10.0,
                  retries: int = 6, backoff: float = 0.05, reconnect_s: float = 30.0) -> None:
         self.target = target
         self.retry = RetryPolicy(timeout, retries, backoff, reconnect_s)
-        self.metadata = auth_metadata(token)
+        self.credential = Credential(token, token_file)
         self.channel = self.open_channel(target, options=channel_options())
         self.stub = pb_grpc.BlockdServiceStub(self.channel)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata of the current credential (it changes when a re-read token file
+        holds a new token): read it per call, never keep it."""
+        return self.credential.metadata
 
 
 class Client(Connection):
@@ -51,8 +67,9 @@ class Client(Connection):
 
     def call(self, method: Callable[..., T], request: Any, *, timeout: float | None = None
              ) -> T:
-        """One RPC with a deadline, retried on UNAVAILABLE only."""
-        for attempt in self.retry.attempts():
+        """One RPC with a deadline, retried on UNAVAILABLE (and once on UNAUTHENTICATED with a
+        token file, after re-reading it)."""
+        for attempt in self.retry.attempts(self.credential):
             with attempt:
                 return method(request, metadata=self.metadata,
                               timeout=self.retry.deadline(timeout))
@@ -108,14 +125,25 @@ class Session(SessionViews):
         ops = list(ops)
         req = self.state.request(ops)
         try:
-            if self.streamer is not None:
-                resp = self.streamer.round_trip(req)
-            else:
-                resp = self.client.call(self.client.stub.Step, req)
+            resp = self._send(req)
         except BlockdError as err:
             self._maybe_new_epoch(err)
             raise
         return self.state.apply(ops, resp)
+
+    def _send(self, req: pb.StepRequest) -> pb.StepResponse:
+        if self.streamer is None:
+            return self.client.call(self.client.stub.Step, req)
+        try:
+            return self.streamer.round_trip(req)
+        except BlockdError as err:
+            # The daemon authenticates every Step of a stream: after a token rotation the open
+            # stream's old token is refused and the stream ends. Re-read the token file and
+            # resend once on a fresh stream (same step_id: a refused Step was never applied).
+            if (err.status != grpc.StatusCode.UNAUTHENTICATED
+                    or not self.client.credential.reload()):
+                raise
+            return self.streamer.round_trip(req)
 
     def complete(self, fence: int) -> None:
         self.state.complete(fence)

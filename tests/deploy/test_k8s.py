@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import dataclasses
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +32,13 @@ from deploy_support import (
     require_module,
 )
 
+import blockd_client.requests as rq
 from blockd import config as blockd_config
 from blockd.runtime import tenants_file
 from blockd.server.app import SERVICE_NAME
+from blockd_apps import worker_health
+from blockd_client import Client
+from blockd_gpu import KvLayout
 
 Docs = list[dict[str, Any]]
 
@@ -38,7 +48,7 @@ Docs = list[dict[str, Any]]
 CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"),
              ("monitoring.coreos.com/v1", "PrometheusRule")}
 EXPECTED_KINDS = {"Deployment", "ConfigMap", "Secret", "PodDisruptionBudget", "PodMonitor",
-                  "PrometheusRule"}
+                  "PrometheusRule", "NetworkPolicy"}
 OLDEST_K8S = "1.29.0"  # native sidecars (restartable init containers) on by default
 MI = 1024 * 1024
 DURATION = re.compile(r"^((\d+)y)?((\d+)w)?((\d+)d)?((\d+)h)?((\d+)m)?((\d+)s)?((\d+)ms)?$")
@@ -262,6 +272,12 @@ def test_secret_holds_parseable_tenants_with_hashes_only(rendered: dict[str, Doc
     _, cfg = blockd_yaml(rendered[name], tmp_path)
     for t in parsed.tenants:
         assert t.quota_blocks <= cfg.pool.num_blocks, t.tenant_id
+    # KV events are on: the worker's tenant must be shared, or the unauthenticated stream
+    # carries no token ids and a router keying blocks by them can use none.
+    worker = [w for w in parsed.workers if not w.admin]
+    assert worker
+    shared = {t.tenant_id for t in parsed.tenants if t.sharing.value != "private"}
+    assert all(w.tenants and w.tenants <= shared for w in worker), "a private worker tenant"
 
 
 # -- the Pod ---------------------------------------------------------------------------------
@@ -290,7 +306,6 @@ def test_blockd_is_a_native_sidecar_gating_the_worker(rendered: dict[str, Docs],
     assert blockd["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
     startup = blockd["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
-    assert "startupProbe" not in worker
     # Config and credentials are where the daemon's config says.
     volumes = {v["name"]: v for v in spec["volumes"]}
     config_dir = str(Path(blockd["args"][blockd["args"].index("--config") + 1]).parent)
@@ -309,7 +324,6 @@ def test_blockd_is_a_native_sidecar_gating_the_worker(rendered: dict[str, Docs],
     env = {e["name"]: e for e in worker["env"]}
     assert env["BLOCKD_TARGET"]["value"] == f"unix:{cfg.server.unix_socket}"
     assert env["BLOCKD_HANDLE_SOCKET"]["value"] == cfg.server.handle_socket
-    assert "secretKeyRef" in env["BLOCKD_TOKEN"]["valueFrom"]
     # Shutdown: the Pod's grace period covers blockd's drain.
     assert spec["terminationGracePeriodSeconds"] > cfg.server.grace_seconds + 5
 
@@ -425,16 +439,237 @@ def test_cpu_overlay_has_no_gpu(rendered: dict[str, Docs]) -> None:
         assert by_kind(rendered[name], "Deployment")
 
 
-def test_rendered_config_and_tenants_boot_a_real_daemon(rendered: dict[str, Docs],
-                                                        tmp_path: Path) -> None:
-    """The CPU overlay's ConfigMap and Secret, as mounted, start the daemon and pass the image's
-    health check. Only what cannot exist outside a Pod is overridden, through the daemon's own
-    BLOCKD_* environment: socket and tenants paths, loopback ports, a small pool."""
+# -- the worker: its token file and its probes -----------------------------------------------
+
+TOKEN_SECRET = "blockd-worker-token"
+
+
+def token_volume(spec: dict[str, Any], worker: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the token file's path in the worker, the projected volume it comes from)."""
+    env = {e["name"]: e for e in worker["env"]}
+    path = env["BLOCKD_TOKEN_FILE"]["value"]
+    mount = [m for m in worker["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert len(mount) == 1, f"BLOCKD_TOKEN_FILE {path} is on no (or several) mounts"
+    assert mount[0].get("readOnly") is True
+    # A subPath mount is never updated by the kubelet: a rotated Secret would not arrive.
+    assert "subPath" not in mount[0] and "subPathExpr" not in mount[0]
+    volume = {v["name"]: v for v in spec["volumes"]}[mount[0]["name"]]
+    return path[len(mount[0]["mountPath"]) + 1:], volume
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_the_worker_token_is_a_projected_secret_file(rendered: dict[str, Docs],
+                                                     name: str) -> None:
+    spec = pod_spec(rendered[name])
+    worker = container(spec, "worker", init=False)
+    # No credential in any container's environment (the old BLOCKD_TOKEN secretKeyRef).
+    for c in spec["initContainers"] + spec["containers"]:
+        assert "envFrom" not in c, c["name"]
+        for e in c.get("env", []):
+            assert "secretKeyRef" not in e.get("valueFrom", {}), (c["name"], e["name"])
+            assert e["name"] != "BLOCKD_TOKEN", c["name"]
+    relpath, volume = token_volume(spec, worker)
+    sources = volume["projected"]["sources"]
+    assert sources == [{"secret": {"name": TOKEN_SECRET,
+                                   "items": [{"key": "token", "path": relpath}]}}]
+    mode = volume["projected"]["defaultMode"]
+    # Read by the Pod's group (fsGroup 10001, the worker's GID), writable by nobody, not world.
+    assert mode & 0o040 and not mode & 0o227, oct(mode)
+    assert spec["securityContext"]["fsGroup"] == worker.get("securityContext", {}).get(
+        "runAsGroup", spec["securityContext"]["runAsGroup"])
+    # Only the worker mounts it; the operator creates the Secret (never rendered from git).
+    blockd = container(spec, "blockd", init=True)
+    assert volume["name"] not in mounts(blockd)
+    assert ("Secret", TOKEN_SECRET) not in {(d["kind"], d["metadata"]["name"])
+                                            for d in rendered[name]}
+
+
+def probe_argv(probe: dict[str, Any]) -> list[str]:
+    assert set(probe) & {"exec", "grpc", "httpGet", "tcpSocket"} == {"exec"}, sorted(probe)
+    argv: list[str] = probe["exec"]["command"]
+    assert argv[:3] == ["python3", "-m", worker_health.__name__], argv
+    return argv[3:]
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_the_worker_probes_run_the_worker_health_command(rendered: dict[str, Docs], name: str,
+                                                         tmp_path: Path) -> None:
+    spec = pod_spec(rendered[name])
+    _, cfg = blockd_yaml(rendered[name], tmp_path)
+    worker = container(spec, "worker", init=False)
+    kinds = {}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        argv = probe_argv(worker[probe])
+        args = worker_health.parser().parse_args(argv)
+        kinds[probe] = args.kind
+        # The command's own deadline ends before the kubelet gives up on it.
+        assert args.timeout + 1 <= worker[probe]["timeoutSeconds"], probe
+        # Target and token file come from the container's environment, as the engine's do.
+        assert not {"--target", "--token-file"} & set(argv), argv
+    assert kinds == {"startupProbe": "ready", "readinessProbe": "ready",
+                     "livenessProbe": "live"}
+    assert worker_health.SERVICE == SERVICE_NAME  # what blockd turns NOT_SERVING on drain
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["BLOCKD_TARGET"] == f"unix:{cfg.server.unix_socket}"  # the Unix socket, no TCP
+    startup, live = worker["startupProbe"], worker["livenessProbe"]
+    # Loading a model takes minutes; liveness tolerates several missed leases (a worker
+    # re-attaching after a blockd restart) before it calls the worker dead.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    assert live["periodSeconds"] * live["failureThreshold"] >= 3 * cfg.lease.default_ms / 1000
+    assert worker["readinessProbe"]["failureThreshold"] >= 2
+
+
+# -- KV events -------------------------------------------------------------------------------
+
+DOWNWARD = {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+
+
+def bound_port(endpoint: str, key: str) -> int:
+    m = re.fullmatch(r"tcp://\*:(\d+)", endpoint)
+    assert m, f"{key} {endpoint!r}: not bound on every interface with a fixed port"
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_kv_events_are_on_with_the_downward_api(rendered: dict[str, Docs], name: str,
+                                                tmp_path: Path) -> None:
+    spec = pod_spec(rendered[name])
+    _, cfg = blockd_yaml(rendered[name], tmp_path)
+    ev = cfg.events
+    assert not ev.zmq_connect and ev.wire_format == "vllm"
+    blockd = container(spec, "blockd", init=True)
+    ports = {p["name"]: p for p in blockd["ports"]}
+    assert ports["kv-events"]["containerPort"] == bound_port(ev.zmq_endpoint, "events.zmq_endpoint")
+    assert ports["kv-replay"]["containerPort"] == bound_port(ev.replay_endpoint,
+                                                             "events.replay_endpoint")
+    assert {p["protocol"] for p in blockd["ports"]} == {"TCP"}
+    assert len({p["containerPort"] for p in blockd["ports"]}) == len(blockd["ports"])
+    env = {e["name"]: e for e in blockd["env"]}
+    for var, field_path in DOWNWARD.items():
+        assert env[var]["valueFrom"] == {"fieldRef": {"fieldPath": field_path}}, var
+    # The default topic, as the Pod's downward API fills it in.
+    assert ev.topic == "" and ev.model_name and not ev.pod_id
+    pod = {"POD_NAME": "blockd-inference-7d9f-x2x1q", "POD_IP": "10.4.2.17"}
+    assert ev.resolved_topic(pod) == f"kv@10.4.2.17@{ev.model_name}"
+
+
+# -- the NetworkPolicy -------------------------------------------------------------------------
+
+PROMETHEUS = (("kubernetes.io/metadata.name", "monitoring"),
+              ("app.kubernetes.io/name", "prometheus"))
+SUBSCRIBER = (("blockd.dev/kv-events", "subscriber"),)
+
+
+def peer_key(peer: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A ``from`` entry as its label requirements: namespace labels (AND) pod labels; a pod
+    selector alone means this namespace. Anything broader is refused."""
+    assert set(peer) <= {"namespaceSelector", "podSelector"}, f"peer {peer}: ipBlock or unknown"
+    for key in ("namespaceSelector", "podSelector"):
+        if key in peer:
+            sel = peer[key]
+            assert set(sel) == {"matchLabels"} and sel["matchLabels"], \
+                f"{key} {sel}: an empty selector matches every {key[:-8]}"
+    assert "podSelector" in peer, f"peer {peer}: every Pod of the namespaces it selects"
+    return tuple(sorted(peer.get("namespaceSelector", {}).get("matchLabels", {}).items())) + \
+        tuple(sorted(peer["podSelector"]["matchLabels"].items()))
+
+
+def check_network_policy(np: dict[str, Any], docs: Docs, cfg: blockd_config.Config
+                         ) -> dict[int, set[tuple[tuple[str, str], ...]]]:
+    """Port -> the peers allowed to reach it; asserts the policy is that narrow and covers
+    every port blockd listens on."""
+    spec = np["spec"]
+    pod = one(docs, "Deployment")["spec"]["template"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items(), \
+        "selects no inference Pod"
+    assert spec["policyTypes"] == ["Ingress"]
+    table: dict[int, set[tuple[tuple[str, str], ...]]] = {}
+    for i, rule in enumerate(spec["ingress"]):
+        assert rule.get("from"), f"ingress[{i}] allows every source"
+        assert rule.get("ports"), f"ingress[{i}] allows every port"
+        for port in rule["ports"]:
+            assert isinstance(port["port"], int), f"ingress[{i}]: a named port {port['port']!r}"
+            assert port.get("protocol", "TCP") == "TCP" and "endPort" not in port
+            for peer in rule["from"]:
+                table.setdefault(port["port"], set()).add(peer_key(peer))
+    listening = {int(cfg.server.tcp_address.rpartition(":")[2]),
+                 int(cfg.metrics.address.rpartition(":")[2]),
+                 bound_port(cfg.events.zmq_endpoint, "events.zmq_endpoint"),
+                 bound_port(cfg.events.replay_endpoint, "events.replay_endpoint")}
+    containers = pod["spec"]["initContainers"] + pod["spec"]["containers"]
+    declared = {p["containerPort"] for c in containers for p in c.get("ports", [])}
+    assert set(table) <= declared == listening, (sorted(table), sorted(declared))
+    return table
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_network_policy_admits_only_prometheus_and_kv_event_subscribers(
+        rendered: dict[str, Docs], name: str, tmp_path: Path) -> None:
+    _, cfg = blockd_yaml(rendered[name], tmp_path)
+    table = check_network_policy(one(rendered[name], "NetworkPolicy"), rendered[name], cfg)
+    grpc_port = int(cfg.server.tcp_address.rpartition(":")[2])
+    assert table == {
+        int(cfg.metrics.address.rpartition(":")[2]): {PROMETHEUS},
+        bound_port(cfg.events.zmq_endpoint, ""): {SUBSCRIBER},
+        bound_port(cfg.events.replay_endpoint, ""): {SUBSCRIBER},
+        # gRPC: subscribers with a credential (WatchEvents); the kubelet's probes come from the
+        # node and the worker uses the Unix socket, which no policy governs.
+        grpc_port: {SUBSCRIBER},
+    }
+
+
+def test_network_policy_checks_catch_mistakes(rendered: dict[str, Docs], tmp_path: Path) -> None:
     docs = rendered["cpu"]
+    _, cfg = blockd_yaml(docs, tmp_path)
+    original = one(docs, "NetworkPolicy")
+
+    def mutated(change: Any) -> dict[str, Any]:
+        np: dict[str, Any] = yaml.safe_load(yaml.safe_dump(original))
+        change(np["spec"])
+        return np
+
+    cases = {
+        "allows every source": lambda s: s["ingress"][0].pop("from"),
+        "allows every port": lambda s: s["ingress"][1].pop("ports"),
+        "an empty selector": lambda s: s["ingress"][1]["from"].append({"podSelector": {}}),
+        "ipBlock": lambda s: s["ingress"][0]["from"].append({"ipBlock": {"cidr": "0.0.0.0/0"}}),
+        "every Pod of the namespaces": lambda s: s["ingress"][0]["from"][0].pop("podSelector"),
+        "a named port": lambda s: s["ingress"][0]["ports"].append({"port": "metrics"}),
+        "selects no inference Pod": lambda s: s["podSelector"]["matchLabels"].update(x="y"),
+    }
+    for why, change in cases.items():
+        with pytest.raises(AssertionError, match=why):
+            check_network_policy(mutated(change), docs, cfg)
+    # A wider peer on a port passes the structure but not the table.
+    np = mutated(lambda s: s["ingress"][0]["ports"].append({"port": 5557, "protocol": "TCP"}))
+    assert check_network_policy(np, docs, cfg)[5557] == {PROMETHEUS, SUBSCRIBER}
+
+
+# -- a real daemon from the rendered manifests ---------------------------------------------------
+
+WORKER_TOKEN = "worker-token-for-this-test-only"
+
+
+@dataclass
+class Booted:
+    proc: subprocess.Popen[str]
+    env: dict[str, str]
+    config: Path
+    endpoints: dict[str, str]
+
+
+@contextlib.contextmanager
+def boot(docs: Docs, tmp_path: Path, tenants: bytes | None = None) -> Iterator[Booted]:
+    """blockd from a kustomization's ConfigMap and Secret, as mounted. Only what cannot exist
+    outside a Pod is overridden, through the daemon's own BLOCKD_* environment: socket and
+    tenants paths, loopback ports, a small pool; POD_NAME and POD_IP as the downward API sets
+    them."""
+    tmp_path.mkdir(exist_ok=True)
     config = tmp_path / "blockd.yaml"
     config.write_text(one(docs, "ConfigMap")["data"]["blockd.yaml"])
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_bytes(base64.b64decode(one(docs, "Secret")["data"]["tenants.yaml"]))
+    tenants_path = tmp_path / "tenants.yaml"
+    tenants_path.write_bytes(tenants
+                             or base64.b64decode(one(docs, "Secret")["data"]["tenants.yaml"]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -444,8 +679,11 @@ def test_rendered_config_and_tenants_boot_a_real_daemon(rendered: dict[str, Docs
         "BLOCKD_SERVER_HANDLE_SOCKET": str(tmp_path / "blockd-pool.sock"),
         "BLOCKD_SERVER_TCP_ADDRESS": f"127.0.0.1:{port}",
         "BLOCKD_METRICS_ADDRESS": "127.0.0.1:0",
-        "BLOCKD_TENANTS_FILE": str(tenants),
+        "BLOCKD_EVENTS_ZMQ_ENDPOINT": "tcp://127.0.0.1:*",
+        "BLOCKD_EVENTS_REPLAY_ENDPOINT": "tcp://127.0.0.1:*",
+        "BLOCKD_TENANTS_FILE": str(tenants_path),
         "BLOCKD_POOL_NUM_BLOCKS": "64",
+        "POD_NAME": "blockd-inference-test", "POD_IP": "127.0.0.1",
     })
     proc = subprocess.Popen([sys.executable, "-m", "blockd_apps", "serve", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -458,12 +696,10 @@ def test_rendered_config_and_tenants_boot_a_real_daemon(rendered: dict[str, Docs
             if line.startswith("BLOCKD_READY "):
                 break
         assert lines and lines[-1].startswith("BLOCKD_READY "), "".join(lines)
-        health = subprocess.run(
-            [sys.executable, str(ROOT / "deploy" / "docker" / "healthcheck.py"),
-             "--config", str(config)], env=env, capture_output=True, text=True, timeout=30,
-            check=False)
-        assert health.returncode == 0, health.stdout + health.stderr
-        assert f"127.0.0.1:{port}: SERVING" in health.stdout
+        endpoints = json.loads(lines[-1].removeprefix("BLOCKD_READY "))
+        # Keep reading its output, so a chatty daemon never blocks on a full pipe.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield Booted(proc, env, config, endpoints)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -471,3 +707,146 @@ def test_rendered_config_and_tenants_boot_a_real_daemon(rendered: dict[str, Docs
         finally:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
+
+
+def test_rendered_config_and_tenants_boot_a_real_daemon(rendered: dict[str, Docs],
+                                                        tmp_path: Path) -> None:
+    """The CPU overlay's ConfigMap and Secret start the daemon, with KV events on, and pass
+    the image's health check."""
+    with boot(rendered["cpu"], tmp_path) as d:
+        assert {"kv_events", "kv_replay"} <= set(d.endpoints)
+        health = subprocess.run(
+            [sys.executable, str(ROOT / "deploy" / "docker" / "healthcheck.py"),
+             "--config", str(d.config)], env=d.env, capture_output=True, text=True, timeout=30,
+            check=False)
+        assert health.returncode == 0, health.stdout + health.stderr
+        tcp = d.env["BLOCKD_SERVER_TCP_ADDRESS"]
+        assert f"{tcp}: SERVING" in health.stdout
+
+
+def known_worker_token(docs: Docs) -> bytes:
+    """The rendered tenants file with the ``worker`` entry's hash replaced by WORKER_TOKEN's
+    (the committed hashes are of tokens nobody kept); everything else as rendered."""
+    tenants = tenants_yaml(docs)
+    workers = [w for w in tenants["workers"] if w["name"] == "worker"]
+    assert len(workers) == 1
+    workers[0]["token_sha256"] = tenants_file.token_hash(WORKER_TOKEN)
+    return yaml.safe_dump(tenants).encode()
+
+
+def pool_layout(cfg: blockd_config.Config) -> KvLayout:
+    return KvLayout(num_layers=cfg.pool.num_layers, num_kv_heads=cfg.pool.num_kv_heads,
+                    head_dim=cfg.pool.head_dim, block_size=cfg.pool.block_size,
+                    dtype=cfg.pool.dtype)
+
+
+def lists(obj: Any) -> Iterator[list[Any]]:
+    """Every list nested in a decoded msgpack value."""
+    if isinstance(obj, (list, tuple)):
+        yield list(obj)
+        for x in obj:
+            yield from lists(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from lists(x)
+
+
+def test_the_rendered_daemon_publishes_kv_events_under_the_pods_topic(
+        rendered: dict[str, Docs], tmp_path: Path) -> None:
+    """A real subscriber of the booted daemon's PUB socket gets vLLM-style messages whose
+    topic frame is kv@<POD_IP>@<events.model_name>, for a block the worker commits."""
+    import msgpack
+    import zmq
+
+    docs = rendered["cpu"]
+    _, cfg = blockd_yaml(docs, tmp_path)
+    ns = rq.namespace("model", model_revision="1")
+    with boot(docs, tmp_path / "pod", known_worker_token(docs)) as d, \
+            Client(f"unix:{d.endpoints['unix']}", token=WORKER_TOKEN) as client:
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(d.endpoints["kv_events"])
+        session = client.attach("inference", pool_layout(cfg), worker_name="worker",
+                                map_pool=False)
+        B = cfg.pool.block_size
+        try:
+            frames = None
+            for i in range(50):  # a fresh block each round until the subscriber has joined
+                prompt = [1000 * i + t for t in range(B + 1)]
+                out = session.step([rq.admit(prompt, ns)])
+                seq = out.results[0].admit.sequence_id
+                session.complete(out.fence)
+                out = session.step([rq.commit(seq)])
+                session.complete(out.fence)
+                session.heartbeat()  # reports the fence: the block is indexed and published
+                if sub.poll(200):
+                    frames = sub.recv_multipart()
+                    break
+            assert frames is not None, "no KV event reached the subscriber"
+            assert frames[0] == f"kv@{d.env['POD_IP']}@{cfg.events.model_name}".encode()
+            assert len(frames) == 3  # topic, sequence number, payload
+            # The shipped tenant is shared, so the unauthenticated stream carries token ids
+            # (routers key blocks by them): the committed block's tokens are there.
+            assert prompt[:B] in list(lists(msgpack.unpackb(frames[2]))), frames[2]
+            session.detach()
+        finally:
+            sub.close()
+
+
+def test_the_worker_probes_judge_a_worker_next_to_a_real_daemon(rendered: dict[str, Docs],
+                                                                tmp_path: Path) -> None:
+    """The worker's probe commands exactly as rendered, in the worker's environment (paths
+    moved into tmp_path), against the rendered config: not ready and not live before the
+    worker attached; both once it has; a missing token file is not ready but still live; a
+    draining and a stopped blockd are not ready, and never fail liveness."""
+    docs = rendered["cpu"]
+    spec = pod_spec(docs)
+    worker = container(spec, "worker", init=False)
+    token = tmp_path / "secret" / "token"
+    token.parent.mkdir()
+    token.write_text(WORKER_TOKEN)
+    _, cfg = blockd_yaml(docs, tmp_path)
+    layout = pool_layout(cfg)
+    with boot(docs, tmp_path / "pod", known_worker_token(docs)) as d:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKD_")}
+        env.update({e["name"]: e["value"] for e in worker["env"] if "value" in e})
+        env["BLOCKD_TARGET"] = f"unix:{d.endpoints['unix']}"
+        env["BLOCKD_TOKEN_FILE"] = str(token)
+
+        def run(probe: str) -> tuple[int, str]:
+            argv = [sys.executable, *worker[probe]["exec"]["command"][1:]]
+            p = subprocess.run(argv, env=env, capture_output=True, text=True,
+                               timeout=worker[probe]["timeoutSeconds"] + 10, check=False)
+            return p.returncode, (p.stdout + p.stderr).strip()
+
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            rc, out = run(probe)
+            assert rc == 1 and "holds no session" in out, (probe, out)
+        client = Client(env["BLOCKD_TARGET"], token_file=env["BLOCKD_TOKEN_FILE"])
+        try:
+            session = client.attach("inference", layout, worker_name="worker", map_pool=False)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                rc, out = run(probe)
+                assert rc == 0 and "1 session(s) attached" in out, (probe, out)
+            token.unlink()  # the projected Secret is gone
+            rc, out = run("readinessProbe")
+            assert rc == 1 and f"token_file: {token}: cannot read it" in out, out
+            assert run("livenessProbe")[0] == 0
+            token.write_text(WORKER_TOKEN + "\n")
+            d.proc.send_signal(signal.SIGTERM)  # blockd drains; the session holds it open
+            deadline = time.monotonic() + 10
+            while (out := run("readinessProbe"))[0] == 0:
+                assert time.monotonic() < deadline, out
+            assert f"{worker_health.SERVICE} is NOT_SERVING" in out[1], out
+            assert run("livenessProbe")[0] == 0
+            session.detach()
+        finally:
+            client.close()
+        assert d.proc.wait(20) == 0
+        rc, out = run("readinessProbe")
+        assert rc == 1 and "UNAVAILABLE" in out, out
+        rc, out = run("livenessProbe")
+        assert rc == 0 and "passing" in out, out
