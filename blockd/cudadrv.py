@@ -13,12 +13,13 @@ Pure of the rest of blockd (no core, no grpc): the client library imports it too
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CudaCallError", "check", "driver", "import_problem", "init_problem", "logged",
-           "result_name"]
+__all__ = ["CudaCallError", "check", "device_attribute", "driver", "host_function",
+           "import_problem", "init_problem", "logged", "result_name"]
 
 
 class CudaCallError(RuntimeError):
@@ -100,3 +101,31 @@ def logged(drv: Any, result: Any, call: str, log: logging.Logger, what: str) -> 
         log.warning("%s: %s", what, exc)
         return False
     return True
+
+
+#: The C signature of a ``CUhostFn``: ``void fn(void *userData)``.
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def host_function(drv: Any, fn: Callable[[int | None], None]) -> tuple[Any, Any]:
+    """``(CUhostFn, keepalive)`` for ``cuLaunchHostFunc``: ``fn`` is called with the launch's
+    ``userData`` as an integer (None for 0) on a driver thread, holding the GIL. The caller
+    must keep ``keepalive`` (the ctypes thunk) alive until every launch of it has run."""
+    thunk = HOST_FN(fn)
+    return drv.CUhostFn(ctypes.cast(thunk, ctypes.c_void_p).value), thunk
+
+
+def device_attribute(drv: Any, dev: Any, names: tuple[str, ...]) -> int | None:
+    """The first of the ``CUdevice_attribute`` ``names`` this cuda-python knows, queried for
+    ``dev``; None when it knows none of them or the query fails (e.g. an attribute the driver
+    is too old for)."""
+    for name in names:
+        attr = getattr(drv.CUdevice_attribute, name, None)
+        if attr is None:
+            continue
+        try:
+            return int(check(drv, drv.cuDeviceGetAttribute(attr, dev),
+                             f"cuDeviceGetAttribute({name})"))
+        except CudaCallError:
+            return None
+    return None

@@ -5,8 +5,9 @@
 #   2. an nvidia-smi summary, when nvidia-smi is installed (informational);
 #   3. a preflight that FAILS when neither torch nor cuda-python can use a device: without it
 #      every gpu-marked test would skip and the run would look green;
-#   4. `pytest -m gpu tests`: every gpu-marked test (the CUDA pool in tests/pools, the kernels in
-#      tests/gpu), with a JUnit report;
+#   4. `pytest -m gpu tests`: every gpu-marked test (the CUDA pool in tests/pools, the
+#      stream-ordered fences in tests/pools/test_stream_fence.py, the kernels in tests/gpu), with
+#      a JUnit report, and one summary line for the stream fences;
 #   5. bench/gpu_decode.py, when it exists.
 #
 # Outputs (logs, junit xml, benchmark json, a summary) go to ${OUT:-bench/results}.
@@ -76,6 +77,21 @@ if reason or not torch.cuda.is_available():
 
 run_step pytest 900 "$PY" -m pytest -m gpu -q -rs tests \
     --junitxml="$OUT_DIR/gpu_tests.xml"
+
+# One summary line for the stream-ordered fences (they ran inside the pytest step above).
+if [[ -f "$OUT_DIR/gpu_tests.xml" ]]; then
+    "$PY" - "$OUT_DIR/gpu_tests.xml" <<'EOF' | tee -a "$SUMMARY" || true
+import sys
+import xml.etree.ElementTree as ET
+cases = [c for c in ET.parse(sys.argv[1]).iter("testcase")
+         if c.get("classname", "").endswith("test_stream_fence")]
+bad = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+skip = sum(1 for c in cases if c.find("skipped") is not None)
+state = "FAILED " if bad or not cases else ("skipped" if skip == len(cases) else "ok     ")
+print(f"{state} stream_fence ({len(cases)} gpu tests: {len(cases) - bad - skip} passed, "
+      f"{bad} failed, {skip} skipped)")
+EOF
+fi
 
 if [[ -f bench/gpu_decode.py ]]; then
     run_step gpu_decode 600 env PYTHONPATH=gpu "$PY" bench/gpu_decode.py \

@@ -7,7 +7,9 @@ cuda-python checks (``blockd.cudadrv``, for the CUDA pool only); and on ``blockd
 - ``Client`` / ``AsyncClient``: a channel with deadlines and retries on UNAVAILABLE (one call
   loop, ``retry``);
 - ``Client.attach(tenant, layout)`` -> ``Session``: the pool mapped zero-copy (``PoolView``),
-  local block tables (``BlockTables``), ``step(ops)``, ``complete(fence)``;
+  local block tables (``BlockTables``), ``step(ops)``, ``complete_on_stream(fence)`` (the
+  fence written in the worker's CUDA stream order, ``fences``; at once on CPU tensors) or
+  ``complete(fence)`` (now: the host knows the work is done);
 - ``requests``: builders for operations and namespaces;
 - ``BlockdError`` / ``EpochChanged``.
 """

@@ -65,6 +65,10 @@ class AsyncSession(SessionViews):
     def complete(self, fence: int) -> None:
         self.state.complete(fence)
 
+    def complete_on_stream(self, fence: int, stream: Any = None) -> str:
+        """As ``Session.complete_on_stream`` (never awaits: the stream writes the fence)."""
+        return self.state.complete_on_stream(fence, stream)
+
     async def detach(self) -> int:
         resp = await self.client.call(self.client.stub.Detach,
                                       pb.DetachRequest(session_id=self.session_id))

@@ -121,7 +121,8 @@ class Session(SessionViews):
 
     def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
         """Apply one scheduler iteration. Copy-on-write copies are done on return; run the
-        step's kernels, then call ``complete(outcome.fence)``."""
+        step's kernels, then call ``complete_on_stream(outcome.fence)`` (or ``complete`` once
+        the host knows they are done)."""
         ops = list(ops)
         req = self.state.request(ops)
         try:
@@ -146,13 +147,20 @@ class Session(SessionViews):
             return self.streamer.round_trip(req)
 
     def complete(self, fence: int) -> None:
+        """The step's GPU work is done (the host knows it): publish its fence now."""
         self.state.complete(fence)
+
+    def complete_on_stream(self, fence: int, stream: Any = None) -> str:
+        """Enqueue the fence on the worker's CUDA stream (published at once on CPU tensors):
+        ``SessionState.complete_on_stream``. The one call a worker needs after each step's
+        kernels: it never waits for the GPU."""
+        return self.state.complete_on_stream(fence, stream)
 
     def heartbeat(self) -> pb.HeartbeatResponse:
         try:
             return self.client.call(self.client.stub.Heartbeat, pb.HeartbeatRequest(
                 session_id=self.session_id, epoch=self.epoch,
-                completed_fence=self.state.counter.completed))
+                completed_fence=self.state.completed_fence()))
         except BlockdError as err:
             self._maybe_new_epoch(err)
             raise

@@ -4,7 +4,9 @@
 copy-on-write copies into the mapped pool (``blockd_gpu.copy_blocks``, before the step's
 kernels), sequences the daemon preempted (dropped from the tables: their blocks go to a
 higher-priority request once this session's fences complete, so no kernel may touch them any
-more), and it publishes the fence once the caller says the step's GPU work is done.
+more), and it publishes the fence once the caller says the step's GPU work is done
+(``complete``) or enqueues it on the worker's CUDA stream (``complete_on_stream``, see
+``blockd_client.fences``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockd.api.v1 import blockd_pb2 as pb
+from blockd_client import fences
 from blockd_client.requests import StepCounter
 from blockd_client.tables import BlockTables
 
@@ -66,7 +69,16 @@ class SessionState:
         self.tables = BlockTables(max_seqs, max_blocks, self.block_size, device)
 
     def request(self, ops: list[pb.Operation]) -> pb.StepRequest:
+        self.completed_fence()
         return self.counter.request(self.session_id, self.epoch, ops)
+
+    def completed_fence(self) -> int:
+        """The highest fence known done, reported over RPC: what the host completed, or what a
+        stream has written into the fence page since (it only ever holds fences it was handed,
+        so it is never beyond those the Steps announced)."""
+        if self.pool is not None:
+            self.counter.completed = max(self.counter.completed, self.pool.fences.published)
+        return self.counter.completed
 
     def apply(self, ops: list[pb.Operation], resp: pb.StepResponse) -> StepOutcome:
         """Bring the local tables and pool up to date with a Step's results."""
@@ -126,6 +138,29 @@ class SessionState:
     def complete(self, fence: int) -> None:
         """The step's GPU work is done: publish its fence (read by the daemon's poller)."""
         if fence > self.counter.completed:
-            self.counter.completed = fence
             if self.pool is not None:
                 self.pool.publish_fence(fence)
+            self.counter.completed = fence
+
+    def complete_on_stream(self, fence: int, stream: Any = None) -> str:
+        """Publish ``fence`` when ``stream`` passes this point; the caller never waits.
+
+        With CUDA tensors (``stream`` None: the current torch stream of the pool's device) the
+        write is enqueued on the stream (``blockd_client.fences``); on CPU tensors the work it
+        orders already ran, so it is published at once, like ``complete``. A fence not above
+        the highest handed over is ignored; one no Step announced is refused (ValueError).
+        Returns what was done: ``fences.HOST``, ``STREAM_WRITE``, ``HOST_FUNCTION``,
+        ``IGNORED``."""
+        if fence > self.counter.fence:
+            raise fences.FenceOrderError(
+                f"fence {fence} was never announced: the last Step named {self.counter.fence}")
+        if self.pool is None:
+            if stream is not None:
+                raise ValueError("complete_on_stream: no fence page (attached with "
+                                 "map_pool=False); synchronize the stream, then complete()")
+            self.complete(fence)
+            return fences.HOST
+        how: str = self.pool.publish_fence_on_stream(fence, stream)
+        if how == fences.HOST:
+            self.counter.completed = max(self.counter.completed, fence)
+        return how

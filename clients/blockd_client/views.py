@@ -4,7 +4,8 @@
 VMM) differ only in how they map the shards; both then expose ``kv_pool(shard)`` as
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (the ``blockd_gpu.layout``
 contract), ``kv_caches(shard)`` as per-layer ``(k_cache, v_cache)`` views of it, and
-``publish_fence`` into this session's fence page (``blockd.wire``'s format).
+``publish_fence`` / ``publish_fence_on_stream`` into this session's fence page
+(``blockd.wire``'s format; ``blockd_client.fences``).
 
 NOTE: a view never unmaps memory a tensor still uses. ``close()`` only drops the view's own
 references; a shard is unmapped when the last tensor viewing it is garbage-collected
@@ -18,6 +19,7 @@ import weakref
 from typing import Any
 
 from blockd import wire
+from blockd_client.fences import FencePublisher
 
 __all__ = ["MappedPool"]
 
@@ -32,6 +34,8 @@ class MappedPool:
     num_blocks: int
     tp_size: int
     _fence: mmap.mmap
+    #: Writes the fence page, now or in a CUDA stream's order (``blockd_client.fences``).
+    fences: FencePublisher
     _pools: list[Any] | None = None
     #: Weak references to whatever keeps each shard mapped (see the module NOTE).
     _map_refs: list[weakref.ref[Any]]
@@ -50,6 +54,7 @@ class MappedPool:
         self._map_refs = []
         self._fence = mmap.mmap(fence_fd, header.fence_page_bytes, mmap.MAP_SHARED,
                                 mmap.PROT_READ | mmap.PROT_WRITE)
+        self.fences = FencePublisher(self._fence)
 
     def kv_pool(self, shard: int = 0) -> Any:
         """The stacked pool of one shard: ``[num_layers, 2, num_blocks, B, H, D]``."""
@@ -61,10 +66,27 @@ class MappedPool:
         """Per-layer ``(k_cache, v_cache)`` views, each ``[num_blocks, B, H, D]``."""
         return self.layout.kv_caches(self.kv_pool(shard))
 
-    def publish_fence(self, fence: int) -> None:
+    def publish_fence(self, fence: int) -> str:
         """Tell the daemon that all GPU work up to ``fence`` is done (an 8-byte store). Call it
-        only once that work has completed on your stream (e.g. after ``event.synchronize()``)."""
-        wire.write_fence(self._fence, fence)
+        only once that work has completed on your stream (e.g. after ``event.synchronize()``).
+        A fence not above the highest handed over is ignored (``fences.IGNORED``)."""
+        return self.fences.publish(fence)
+
+    def publish_fence_on_stream(self, fence: int, stream: Any = None) -> str:
+        """Publish ``fence`` when ``stream`` reaches this point, without waiting for it.
+
+        ``stream`` None: the current torch stream of shard 0's device when the pool is on CUDA;
+        with a host pool (CPU tensors, whose work already ran) the fence is written at once
+        (``fences.HOST``). A worker whose kernels run on CUDA while the pool is on the host
+        passes the stream explicitly. Returns what was done (``blockd_client.fences``)."""
+        if stream is None:
+            device = self.kv_pool(0).device
+            if device.type != "cuda":
+                return self.fences.publish(fence)
+            import torch
+
+            stream = torch.cuda.current_stream(device)
+        return self.fences.publish_on_stream(fence, stream)
 
     @property
     def mapped(self) -> bool:
@@ -80,4 +102,5 @@ class MappedPool:
             return
         self._pools = None
         self._drop_mappings()
+        self.fences.close()  # waits for queued writes, unregisters: before the unmap
         self._fence.close()

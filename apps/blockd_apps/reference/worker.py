@@ -14,8 +14,8 @@ One scheduler iteration (``Engine.step``) sends ONE Step carrying, in this order
 
 Appends come before admissions so running sequences get blocks first. Then the step's compute:
 one ``forward_paged`` over the packed prefill chunks and decode tokens, after which the worker
-calls ``session.complete(fence)``: from then on the daemon may reuse what this step released and
-publish what it committed.
+calls ``session.complete_on_stream(fence)``: once the model's stream passes that point (at once
+on CPU) the daemon may reuse what this step released and publish what it committed.
 
 Pool pressure: an append refused with RESOURCE_EXHAUSTED preempts the lowest-priority, latest
 admitted running sequence (maybe itself): released next step, re-admitted later with its whole
@@ -223,11 +223,9 @@ class Engine:
             self._preempt_for(s, k)
         self.stats.peak_running = max(self.stats.peak_running, len(self.live))
         self._compute([s for s in appended if s.state == DECODE])
-        if self.model.device.type == "cuda":
-            # The fence says the GPU is done (copies and kernels): only publish it once the
-            # stream has drained. A pipelined engine would record an event instead of waiting.
-            torch.cuda.current_stream(self.model.device).synchronize()
-        self.session.complete(out.fence)
+        # The fence says the GPU is done (copies and kernels): the pool device's current stream
+        # writes it when it gets there, unwaited for (on CPU tensors: published at once).
+        self.session.complete_on_stream(out.fence)
         for s in self.live.values():
             s.blocks.update(self.session.tables.blocks(s.seq_id))
         if self.on_step is not None:
