@@ -103,7 +103,16 @@ class ServerConfig:
             "running daemon is refused.")
     tcp_address: str = option(
         "127.0.0.1:50051",
-        "host:port for health checks and remote clients (\"\" disables TCP; port 0 picks one).")
+        "host:port for health checks and remote clients (\"\" disables TCP; port 0 picks one). "
+        "Plaintext only on loopback: any other address needs tls_cert and tls_key.")
+    tls_cert: str = option("", "PEM server certificate (chain) for TCP (\"\": plaintext TCP).")
+    tls_key: str = option("", "PEM private key of tls_cert.")
+    tls_client_ca: str = option("", "PEM CA: TCP clients need a certificate it signed (mTLS).")
+    socket_mode: str = option("0660", "Mode of the Unix sockets, set whatever the umask: "
+                                      "\"0660\" (owner and group) or \"0600\" (owner only).")
+    handle_connections: int = option(16, "Most handle-socket connections served at once.")
+    handle_timeout_s: float = option(2.0, "Seconds one handle-socket connection may take, "
+                                          "request and answer; a slower client is cut off.")
     handle_socket: str = option(
         factory=default_handle_socket,
         doc="Unix socket from which attached workers receive the pool's file descriptors "
@@ -117,6 +126,10 @@ class ServerConfig:
     max_tokens_per_operation: int = option(
         1 << 20, "Most token ids in one operation (an admitted prompt or an append).")
     max_sessions: int = option(1024, "Most concurrently attached sessions.")
+    max_work_per_call: int = option(
+        1 << 17, "Most work units one Step or Lookup may cost (about one per token id, 256 per "
+                 "admit, 64 per other operation; a unit is ~0.1 us of the event loop every "
+                 "tenant shares): a call beyond it is refused (RESOURCE_EXHAUSTED, \"work\").")
     check_invariants: bool = option(
         False, "Check every block-manager invariant after each mutating call (O(num_blocks): "
                "for tests and debugging; a violation is logged and answered with INTERNAL).")
@@ -139,7 +152,8 @@ class ServerConfig:
             raise InvalidArgument(f"server.grace_seconds: must not be negative, got "
                                   f"{self.grace_seconds}", field="server.grace_seconds")
         _check_positive(self, "server", "max_message_bytes", "max_operations_per_step",
-                        "max_tokens_per_operation", "max_sessions")
+                        "max_tokens_per_operation", "max_sessions", "max_work_per_call",
+                        "handle_connections", "handle_timeout_s")
         if not self.invariant_check_interval_ms >= 0:
             raise InvalidArgument("server.invariant_check_interval_ms: must not be negative, "
                                   f"got {self.invariant_check_interval_ms}",
@@ -153,9 +167,13 @@ class MetricsConfig:
     address: str = option("127.0.0.1:9400",
                           "host:port serving /metrics and /healthz (\"\" disables it; port 0 "
                           "picks one).")
+    max_connections: int = option(16, "Most HTTP connections open at once (more: closed).")
+    request_timeout_s: float = option(5.0, "Seconds one HTTP connection may take, request and "
+                                           "answer; a slower client is cut off.")
 
     def __post_init__(self) -> None:
         _check_address(self.address, "metrics.address")
+        _check_positive(self, "metrics", "max_connections", "request_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -253,6 +271,20 @@ class TenantsConfig:
     allow_anonymous: bool = option(
         True, "Accept calls without a credential as the \"default\" tenant (only without a "
               "tenants file).")
+    work_units_per_second: float = option(
+        10_000_000.0, "Work units per second each tenant may spend on Steps, Lookups and "
+                      "Attaches (a token bucket per tenant; see server.max_work_per_call for "
+                      "the unit). Beyond it a call is refused with RESOURCE_EXHAUSTED "
+                      "(\"rate\") and a retry hint. 0: no budget.")
+    work_units_burst: float = option(
+        2_000_000.0, "Work units a tenant may spend at once after being idle (the bucket's "
+                     "size); a call costing more needs a full bucket.")
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "tenants", "work_units_burst")
+        if self.work_units_per_second < 0:
+            raise InvalidArgument("tenants.work_units_per_second: must not be negative",
+                                  field="tenants.work_units_per_second")
 
 
 @dataclass(frozen=True)
@@ -261,8 +293,14 @@ class EventsConfig:
 
     zmq_endpoint: str = option(
         "",
-        "ZMQ PUB endpoint to bind, e.g. \"tcp://*:5557\" (\"\" disables publishing; a port "
-        "of \"*\" picks a free one).")
+        "ZMQ PUB endpoint to bind, e.g. \"tcp://127.0.0.1:5557\" (\"\" disables publishing; "
+        "a port of \"*\" picks a free one). Without CURVE it is unauthenticated: private "
+        "tenants' LoRA names are withheld on it.")
+    curve_secret_key_file: str = option(
+        "", "File holding the publisher's Z85 CURVE secret key (40 characters): PUB and replay "
+            "sockets then require CURVE (\"\": no authentication).")
+    curve_client_keys: str = option(
+        "", "Comma-separated Z85 public keys of the subscribers CURVE admits (\"\": none).")
     zmq_connect: bool = option(
         False,
         "Connect the PUB socket to zmq_endpoint instead of binding it: for a consumer "
@@ -369,6 +407,11 @@ class StateConfig:
         64 * 1024 * 1024, "Journal bytes that trigger a snapshot (compaction); at least twice "
                           "the last snapshot's size, so compaction costs O(1) per journalled "
                           "byte.")
+    reserve_bytes: int = option(
+        16 * 1024 * 1024, "Free space kept in state.dir: new work (Steps, attaches) is refused "
+                          "with RESOURCE_EXHAUSTED \"state dir full\" while less than this "
+                          "plus the last snapshot's size is free, so the records that free "
+                          "blocks (detaches, fences) and the next snapshot still fit.")
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@
     blockctl flush                 drop the caller's tenant's cached blocks (also --tenant,
                                    --model-id, --model-revision, --lora)
 
-Readable tables by default, ``--json`` for scripts. The credential comes from ``--token`` or
+Readable tables by default, ``--json`` for scripts. The credential comes from, first found:
+``--token-file FILE``, ``--token`` (discouraged: the process list shows it), ``$BLOCKD_TOKEN_FILE``,
 ``$BLOCKD_TOKEN`` (none: the anonymous caller of the laptop default, who acts for tenant
-``default``). The daemon is ``--target`` (``unix:PATH`` or ``HOST:PORT``), else
+``default``). A TCP target served with TLS needs ``--ca-file`` (and, for mTLS, ``--cert-file``
+and ``--key-file``). The daemon is ``--target`` (``unix:PATH`` or ``HOST:PORT``), else
 ``$BLOCKD_TARGET``, else the Unix socket a daemon started with the same environment listens on
 (``$BLOCKD_SERVER_UNIX_SOCKET`` or the absolute default of ``blockd.config``), so blockctl works
 from any directory. Exit status: 0 done, 1 the daemon refused (its status and message on one
@@ -202,8 +204,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None,
                    help="unix:PATH or HOST:PORT (default: $BLOCKD_TARGET, else the daemon's "
                         f"default socket, now unix:{default_socket()})")
-    p.add_argument("--token", default=os.environ.get("BLOCKD_TOKEN", ""),
-                   help="bearer token (default: $BLOCKD_TOKEN; none: anonymous)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the bearer token (default: $BLOCKD_TOKEN_FILE, else "
+                        "$BLOCKD_TOKEN; none: anonymous)")
+    p.add_argument("--token", default=None,
+                   help="bearer token; discouraged: other users see it in the process list "
+                        "(use --token-file or $BLOCKD_TOKEN_FILE)")
+    p.add_argument("--ca-file", default=None,
+                   help="PEM CA that signed the daemon's TLS certificate (a TCP target with "
+                        "server.tls_cert): TLS instead of plaintext")
+    p.add_argument("--cert-file", default=None, help="PEM client certificate (mTLS)")
+    p.add_argument("--key-file", default=None, help="PEM key of --cert-file (mTLS)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     sub = p.add_subparsers(dest="command", required=True)
@@ -236,14 +247,48 @@ COMMANDS = {"stats": cmd_stats, "tenants": cmd_tenants, "sequences": cmd_sequenc
             "inspect": cmd_inspect, "watch": cmd_watch, "flush": cmd_flush}
 
 
+def token(args: argparse.Namespace) -> str:
+    """The bearer token (module docstring: the order); a file is read whole, stripped."""
+    path = args.token_file
+    if path is None and args.token is None:
+        path = os.environ.get("BLOCKD_TOKEN_FILE") or None
+    if path is None:
+        return args.token if args.token is not None else os.environ.get("BLOCKD_TOKEN", "")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError as exc:
+        raise UsageError(f"blockctl: cannot read the token file {path}: {exc.strerror}") from None
+
+
+def _channel(target: str, args: argparse.Namespace) -> grpc.Channel:
+    if not args.ca_file:
+        return grpc.insecure_channel(target)
+    pem = []
+    for name in ("ca_file", "cert_file", "key_file"):
+        path = getattr(args, name)
+        try:
+            pem.append(open(path, "rb").read() if path else None)  # noqa: SIM115
+        except OSError as exc:
+            raise UsageError(f"blockctl: cannot read --{name.replace('_', '-')} {path}: "
+                             f"{exc.strerror}") from None
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(*pem))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     target = args.target or default_target()
     if target.startswith("unix:") and not os.path.exists(target.removeprefix("unix:")):
         print(unreachable(target, "no socket there"), file=sys.stderr)
         return UNREACHABLE
-    md = (("authorization", f"Bearer {args.token}"),) if args.token else ()
-    with grpc.insecure_channel(target) as channel:
+    try:
+        tok = token(args)
+        channel = _channel(target, args)
+    except UsageError as err:
+        print(err, file=sys.stderr)
+        return UNREACHABLE
+    md = (("authorization", f"Bearer {tok}"),) if tok else ()
+    with channel:
         stub = pb_grpc.BlockdServiceStub(channel)
         try:
             out = COMMANDS[args.command](stub, args, md)

@@ -13,6 +13,11 @@ Three limits, checked in this order, each a bounded ``DoesNotFit.reason``:
 * ``guarantee``: blocks other tenants are guaranteed and do not hold right now stay available
   to them.
 
+Per-tenant limits on what a request makes besides blocks (``limits``, checked before any
+block is allocated; ``blockd.core.tenants`` documents the costs): ``max_sequences`` (live
+sequences, fork children included) and ``max_metadata_bytes`` (their metadata). Their
+``DoesNotFit`` counts sequences or bytes, not blocks (``DoesNotFit.unit``).
+
 Scrubbing: a block last owned by a tenant that asks for scrub-on-reuse (or any block, with
 ``scrub_always``) is listed when it is handed to someone else; the runtime zeroes those blocks
 before the worker learns of them (``take_scrubbed``).
@@ -24,8 +29,9 @@ from collections.abc import Sequence as Seq
 
 from blockd.core.blocks import CACHED, BlockArrays
 from blockd.core.caching import PrefixCache
+from blockd.core.errors import ResourceExhausted
 from blockd.core.results import Counters, DoesNotFit
-from blockd.core.tenants import TenantTable
+from blockd.core.tenants import TenantTable, sequence_bytes
 
 
 class Admission:
@@ -80,6 +86,43 @@ class Admission:
         if reserved and available - reserved < need:
             return DoesNotFit("guarantee", need, max(0, available - reserved))
         return None
+
+    def limits(self, tenant: int, new_sequences: int, table_blocks: int, block_size: int
+               ) -> DoesNotFit | None:
+        """Whether ``new_sequences`` more sequences, each with ``table_blocks`` blocks in its
+        table (or, with ``new_sequences`` 0, ``table_blocks`` more table entries of one live
+        sequence), stay within the tenant's ``max_sequences`` and ``max_metadata_bytes``."""
+        t = self.tenants
+        policy = t.policies[tenant]
+        if new_sequences:
+            live = t.sequences[tenant]
+            if live + new_sequences > policy.max_sequences:
+                return DoesNotFit("max_sequences", new_sequences, policy.max_sequences - live)
+        cost = self.sequence_cost(new_sequences, table_blocks, block_size)
+        left = policy.sequence_metadata_bytes - t.sequence_bytes[tenant]
+        if cost > left:
+            return DoesNotFit("max_metadata_bytes", cost, max(0, left))
+        return None
+
+    @staticmethod
+    def sequence_cost(new_sequences: int, table_blocks: int, block_size: int) -> int:
+        """Metadata bytes of ``limits``' question (see there); negative for ended ones."""
+        if new_sequences:
+            return new_sequences * sequence_bytes(table_blocks, block_size)
+        return sequence_bytes(table_blocks, block_size) - sequence_bytes(0, block_size)
+
+    def refusal(self, verdict: DoesNotFit, field: str) -> ResourceExhausted:
+        """A limit's ``DoesNotFit`` as the error of an operation that raises (a fork)."""
+        self.counters.alloc_failures[verdict.reason] += 1
+        return ResourceExhausted(f"tenant limit {verdict.reason} reached: needs "
+                                 f"{verdict.needed} {verdict.unit}, {verdict.available} left",
+                                 reason=verdict.reason, field=field)
+
+    def charge(self, tenant: int, sequences: int, table_blocks: int, block_size: int) -> None:
+        """Count what ``limits`` allowed as made (``sequences`` < 0: ended ones)."""
+        self.tenants.sequences[tenant] += sequences
+        self.tenants.sequence_bytes[tenant] += self.sequence_cost(sequences, table_blocks,
+                                                                  block_size)
 
     def allocate(self, tenant: int, n: int) -> list[int]:
         """Hand out ``n`` blocks (the caller checked ``fits``), evicting cached ones as needed."""

@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 
 from blockd.core.blocks import PENDING, BlockArrays
 from blockd.core.caching import CommitBatch, PrefixCache
-from blockd.core.errors import Aborted, BlockdError, InvalidArgument, NotFound
+from blockd.core.errors import (
+    Aborted,
+    BlockdError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 
 RELEASE = 0
 COMMIT = 1
@@ -114,11 +120,15 @@ class FenceLedger:
         if fence:
             session.issued = fence
 
-    def validate(self, session: Session, fence: int, announce: bool = True) -> int:
+    def validate(self, session: Session, fence: int, announce: bool = True,
+                 room: int | None = None) -> int:
         """Validate an operation's fence and return the fence its releases and commits wait
         for (the module docstring's rule). A nonzero fence is announced unless ``announce``
-        is False: an operation that may still fail announces only once it has succeeded."""
+        is False: an operation that may still fail announces only once it has succeeded.
+        ``room``: the operation adds a waiting entry, refused (RESOURCE_EXHAUSTED
+        ``max_pending_fences``, nothing announced) when the session already holds ``room``."""
         if fence == 0:
+            self._check_room(session, session.issued, room)
             return session.issued
         if fence < 0:
             raise InvalidArgument("fence must be >= 0", field="fence")
@@ -129,9 +139,23 @@ class FenceLedger:
         if fence < session.issued:
             raise InvalidArgument(
                 f"fence {fence} is below an earlier step's fence {session.issued}", field="fence")
+        self._check_room(session, fence, room)
         if announce:
             session.issued = fence
         return fence
+
+    def _check_room(self, session: Session, fence: int, room: int | None) -> None:
+        if room is not None and not self.has_room(session, fence, room):
+            raise ResourceExhausted(
+                f"the session has max_pending_fences ({room}) releases and commits waiting "
+                "for fences: report completed fences first", reason="max_pending_fences",
+                field="fence")
+
+    @staticmethod
+    def has_room(session: Session, fence: int, limit: int) -> bool:
+        """Whether a release or commit under ``fence`` fits the session's ``limit`` of waiting
+        entries (one that completes at once adds none)."""
+        return session.is_complete(fence) or len(session.waiting) < limit
 
     @staticmethod
     def announce(session: Session, fence: int) -> None:
@@ -219,6 +243,15 @@ class FenceLedger:
                 if pend[b] == 0 and ref[b] == 0:
                     idle.append(b)
             cache.idle(reversed(idle))
+
+    def drop_commits(self, session: Session) -> None:
+        """Drop the session's unconfirmed commits (its releases keep waiting for their fences):
+        a revoked session's blocks must not enter the index after its tenant's flush."""
+        keep = [w for w in session.waiting if w[1] != COMMIT]
+        for w in session.waiting:
+            if w[1] == COMMIT:
+                self.cache.drop_commit(w[2])  # type: ignore[arg-type]
+        session.waiting = deque(keep)
 
     def end(self, session: Session) -> None:
         """A session that ends: its releases complete, its unconfirmed commits are dropped."""

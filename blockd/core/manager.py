@@ -34,17 +34,10 @@ from blockd.core.events import EventSink
 from blockd.core.fences import FenceLedger, Session
 from blockd.core.ids import SequenceIds
 from blockd.core.namespace import Namespace, NamespaceTable, PrefixScope
-from blockd.core.preemption import MAX_REMEMBERED, Priority, VictimChooser
+from blockd.core.preemption import MAX_REMEMBERED, VictimChooser
 from blockd.core.prefix_index import HashFactory, PrefixIndex
 from blockd.core.queries import CoreQueries
-from blockd.core.results import (
-    AdmitResult,
-    AppendResult,
-    BatchAppend,
-    CopyOp,
-    Counters,
-    DoesNotFit,
-)
+from blockd.core.results import AdmitResult, AppendResult, BatchAppend, CopyOp, Counters, DoesNotFit
 from blockd.core.sequence import Sequence, as_token_bytes
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import TenantPolicy, TenantTable
@@ -121,12 +114,16 @@ class BlockManager(CoreQueries):
         self.enable_prefix_cache = enable_prefix_cache
         self.admission.scrub_always = scrub_always
 
-    def set_tenants(self, policies: Iterable[TenantPolicy]) -> None:
-        """Reload tenant policies; sessions and blocks are kept."""
+    def set_tenants(self, policies: Iterable[TenantPolicy]) -> int:
+        """Reload tenant policies; blocks are kept but a removed tenant's private prefixes are
+        flushed (a tenant later configured under its id must not hit them): returns how many."""
+        before = self.tenant_policies()
         self.tenants.replace(list(policies))
         self.namespaces.forget_requests()
         self.blocks.ensure_tenants(len(self.tenants))
         self.admission.tenants_changed()
+        gone = {f"private:{t}" for t in before if t not in self.tenants}
+        return self.cache.flush(self.namespaces.matching(None, None, None, gone), None)
 
     # -- sessions and fences ------------------------------------------------------------------
 
@@ -136,24 +133,29 @@ class BlockManager(CoreQueries):
         sid = session_id or secrets.token_urlsafe(18)
         if sid in self.sessions:
             raise InvalidArgument("session id already in use", field="session_id")
+        self.tenants.add_session(slot)  # refused at the tenant's max_sessions
         self.sessions[sid] = Session(sid, slot)
         return sid
 
     def close_session(self, session_id: str) -> int:
-        """End a session: release its sequences and complete its fences.
-
-        Called once the worker's GPU work has finished (a clean Detach, or a lease that
-        expired: a dead worker has no work in flight). Commits whose fence the worker never
-        reported are dropped: their K/V may be half written. Returns the sequences released.
-        """
-        session = self._session(session_id)
-        # A scan (closing is rare) instead of a per-session set saves ~60 bytes per sequence.
-        seq_ids = [sid for sid, seq in self.sequences.items() if seq.session == session_id]
-        for seq_id in seq_ids:
-            self._release(session, self.sequences[seq_id], session.issued)
+        """End a session once the worker's GPU work has finished (a Detach, or an expired
+        lease: a dead worker has no work in flight): release its sequences, complete its
+        fences, drop unreported commits (half-written K/V). Returns the sequences released."""
+        released = self.revoke_session(session_id)
+        session = self.sessions.pop(session_id)
         self.fences.end(session)
-        del self.sessions[session_id]
-        return len(seq_ids)
+        self.tenants.sessions[session.tenant] -= 1
+        return released
+
+    def revoke_session(self, session_id: str) -> int:
+        """Release the session's sequences under its latest fence (kernels may still read them)
+        and drop its unconfirmed commits; it stays for its fences. Returns the sequences."""
+        session = self._session(session_id)
+        seqs = [seq for seq in self.sequences.values() if seq.session == session_id]
+        for seq in seqs:
+            self._release(session, seq, session.issued)
+        self.fences.drop_commits(session)
+        return len(seqs)
 
     def complete_fence(self, session_id: str, fence: int, *, clamp_to_issued: bool = False
                        ) -> int:
@@ -194,14 +196,16 @@ class BlockManager(CoreQueries):
             # Leave at least one token to compute: the worker needs the last token's logits.
             hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // B)
         need = -(-length // B) - len(hits)
-        verdict = self.admission.fits(session.tenant, need, hits)
+        verdict = (self.admission.limits(session.tenant, 1, need + len(hits), B)
+                   or self.admission.fits(session.tenant, need, hits))
         held = False
         if verdict is not None and verdict.reason == "pool" and self.preempt:
             # A victim may hold the last other reference to this namespace: keep it alive.
             self.namespaces.incref(ns)
             held = True
-            requester = (self.tenants.policies[session.tenant].priority, priority)
-            verdict = self._make_room(session.tenant, requester, need, hits, None, verdict)
+            requester = self.victims.requester(session.tenant, priority)
+            verdict = self.victims.make_room(self.admission.fits, self._preempted,
+                                             session.tenant, requester, need, hits, None, verdict)
         if verdict is not None:
             if held:
                 self.namespaces.decref(ns)
@@ -234,6 +238,7 @@ class BlockManager(CoreQueries):
         seq.num_tokens = length
         self.sequences[seq.id] = seq
         session.num_sequences += 1
+        self.admission.charge(seq.tenant, 1, len(seq.table), B)
         self.counters.queried_tokens += length
         self.counters.hit_tokens += len(hits) * B
         return AdmitResult(seq.id, len(hits) * B, seq.table.tolist(), length)
@@ -332,15 +337,20 @@ class BlockManager(CoreQueries):
             return AppendResult(old_blocks, [], old_len)
         cow = old_len % B != 0 and self.blocks.ref[table[-1]] > 1
         need = -(-(old_len + n) // B) - old_blocks + cow
+        if cow and not self.fences.has_room(session, fence, self._room(session) or 0):
+            return DoesNotFit("max_pending_fences", 1, 0)
         if need:
-            verdict = self.admission.fits(seq.tenant, need, ())
+            verdict = (self.admission.limits(seq.tenant, 0, need - cow, B)
+                       or self.admission.fits(seq.tenant, need, ()))
             if verdict is not None and verdict.reason == "pool" and self.preempt:
-                verdict = self._make_room(seq.tenant, self.victims.priority_of(seq), need,
-                                          (), seq.id, verdict)
+                verdict = self.victims.make_room(self.admission.fits, self._preempted, seq.tenant,
+                                                 self.victims.priority_of(seq), need, (), seq.id,
+                                                 verdict)
             if verdict is not None:
                 self.counters.alloc_failures[verdict.reason] += 1
                 return verdict
             new = self.admission.allocate(seq.tenant, need)
+            self.admission.charge(seq.tenant, 0, need - cow, B)
         else:
             new = []
         self.fences.announce(session, fence)
@@ -371,6 +381,10 @@ class BlockManager(CoreQueries):
         parent = self._sequence(session, seq_id)
         if not 1 <= num_children <= MAX_FORK:
             raise InvalidArgument(f"num_children must be in 1..{MAX_FORK}", field="num_children")
+        blocks = len(parent.table)
+        verdict = self.admission.limits(session.tenant, num_children, blocks, self.block_size)
+        if verdict is not None:
+            raise self.admission.refusal(verdict, "num_children")
         ref = self.blocks.ref
         children = []
         for _ in range(num_children):
@@ -380,6 +394,7 @@ class BlockManager(CoreQueries):
         for b in parent.table:
             ref[b] += num_children
         session.num_sequences += num_children
+        self.admission.charge(session.tenant, num_children, blocks, self.block_size)
         self.namespaces.incref(parent.ns, num_children)
         return children
 
@@ -390,7 +405,8 @@ class BlockManager(CoreQueries):
         """
         session = self._session(session_id)
         seq = self._sequence(session, seq_id)
-        return self._release(session, seq, self.fences.validate(session, fence))
+        return self._release(session, seq, self.fences.validate(session, fence,
+                                                                room=self._room(session)))
 
     def commit(self, session_id: str, seq_id: str, fence: int = 0) -> int:
         """Seal the sequence's full blocks; they join the prefix index once ``fence`` completes.
@@ -400,9 +416,10 @@ class BlockManager(CoreQueries):
         """
         session = self._session(session_id)
         seq = self._sequence(session, seq_id)
-        fence = self.fences.validate(session, fence)
         full = seq.num_tokens // self.block_size
         start = seq.num_committed
+        waits = full > start and seq.cache and seq.stream is not None  # a waiting entry
+        fence = self.fences.validate(session, fence, room=self._room(session, waits))
         if full <= start:
             return 0
         blocks = seq.table[start:full].tolist()
@@ -444,38 +461,25 @@ class BlockManager(CoreQueries):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _make_room(self, tenant: int, requester: Priority, need: int, hits: Seq[int],
-                   exclude: str | None, verdict: DoesNotFit) -> DoesNotFit | None:
-        """After a ``"pool"`` refusal: preempt lower-priority sequences if that makes ``need``
-        blocks fit (``blockd.core.preemption``). None: it fits now; ``verdict`` unchanged when
-        nothing was preempted; ``"preempting"`` while the victims' blocks wait for fences."""
-        fits = self.admission.fits
-        victims = self.victims.choose(fits, tenant, requester, need, hits, exclude)
-        if not victims:
-            return verdict
-        policies = self.tenants.policies
-        for seq in victims:
-            # Released like a ReleaseOp of its own worker with fence 0 (under its session's
-            # latest announced fence: its kernels may still read the blocks), with a notice for
-            # that worker's next StepResponse.
-            session = self.sessions[seq.session]
-            self._release(session, seq, session.issued)
-            session.note_preempted(seq.id, MAX_REMEMBERED)
-            self.counters.preemptions[policies[seq.tenant].tenant_id] += 1
-        after = fits(tenant, need, hits)
-        if after is None:
-            return None
-        return DoesNotFit("preempting", need, after.available)
+    def _preempted(self, seq: Sequence) -> None:
+        """A preemption victim: released like its own worker's fence-0 ReleaseOp, noticed."""
+        session = self.sessions[seq.session]
+        self._release(session, seq, session.issued)
+        session.note_preempted(seq.id, MAX_REMEMBERED)
+        self.counters.preemptions[self.tenants.policies[seq.tenant].tenant_id] += 1
 
     def _release(self, session: Session, seq: Sequence, fence: int) -> int:
         table = seq.table
         self.fences.drop_refs(session, table, fence)
         del self.sequences[seq.id]
         session.num_sequences -= 1
+        self.admission.charge(seq.tenant, -1, len(table), self.block_size)
         self.namespaces.decref(seq.ns)
         self.counters.released_blocks += len(table)
         return len(table)
 
+    def _room(self, session: Session, waits: bool = True) -> int | None:
+        return self.tenants.policies[session.tenant].max_pending_fences if waits else None
     def _namespace(self, scope: PrefixScope, tenant: int) -> Namespace:
         return self.namespaces.for_request(scope, tenant,
                                            self.tenants.policies[tenant].sharing_domain)

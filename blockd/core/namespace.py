@@ -112,11 +112,12 @@ class NamespaceTable:
         self._requests[key] = ns
         return ns
 
-    def matching(self, model_id: str | None, model_revision: str | None, lora_id: str | None
-                 ) -> set[int]:
+    def matching(self, model_id: str | None, model_revision: str | None, lora_id: str | None,
+                 sharing_domains: set[str] | None = None) -> set[int]:
         """Ids of the live namespaces that match every given filter (a flush)."""
         return {ns.id for ns in self._by_id.values()
-                if (model_id is None or ns.fields.model_id == model_id)
+                if (sharing_domains is None or ns.fields.sharing_domain in sharing_domains)
+                and (model_id is None or ns.fields.model_id == model_id)
                 and (model_revision is None or ns.fields.model_revision == model_revision)
                 and (lora_id is None or ns.fields.lora_id == lora_id)}
 

@@ -6,7 +6,11 @@ sequences of *strictly lower* effective priority, in any session of any tenant, 
 
 * Effective priority is ``(tenant policy priority, sequence priority)``, compared
   lexicographically. An admit asks with its tenant's priority and its own ``priority``; an
-  append with the appending sequence's.
+  append with the appending sequence's. The sequence priority is the client's choice, so
+  against *another* tenant it counts at most as that tenant's ``max_request_priority``
+  (default 0): above its cap it orders only the tenant's own requests.
+* A victim of another tenant is never chosen when preempting it would bring a tenant's live
+  blocks below its ``guaranteed_blocks``: a guarantee is never preempted away.
 * Victims are taken lowest priority first, then most recently admitted first (vLLM's order:
   the latest arrival has done the least work). The manager's ``sequences`` is a dict in
   admission order, so iterating it reversed and sorting stably by priority gives that order
@@ -46,8 +50,9 @@ SCANS_PER_STEP = 8
 #: The bounded label a preemption notice carries.
 REASON = "priority"
 
-#: (tenant policy priority, sequence priority): higher runs first and is preempted last.
-Priority = tuple[int, int]
+#: (tenant policy priority, request priority capped at the tenant's max_request_priority,
+#: request priority): higher runs first and is preempted last; see ``VictimChooser.below``.
+Priority = tuple[int, int, int]
 
 
 #: ``Admission.fits``: (tenant, need, hits, extra reusable, freed per tenant) -> verdict.
@@ -79,7 +84,34 @@ class VictimChooser:
 
     def priority_of(self, seq: Sequence) -> Priority:
         """A live sequence's effective priority."""
-        return (self.tenants.policies[seq.tenant].priority, seq.priority)
+        return self.requester(seq.tenant, seq.priority)
+
+    def requester(self, tenant: int, priority: int) -> Priority:
+        """The effective priority of ``tenant``'s request of (client-chosen) ``priority``."""
+        p = self.tenants.policies[tenant]
+        return (p.priority, min(priority, p.max_request_priority), priority)
+
+    def below(self, seq: Sequence, tenant: int, requester: Priority) -> bool:
+        """Whether ``seq`` may give way to ``tenant``'s request: strictly lower raw request
+        priority within a tenant, strictly lower (tenant priority, capped priority) across."""
+        mine = self.priority_of(seq)
+        if seq.tenant == tenant:
+            return mine[2] < requester[2]
+        return mine[:2] < requester[:2]
+
+    def make_room(self, fits: Fits, release: Callable[[Sequence], None], tenant: int,
+                  requester: Priority, need: int, hits: Seq[int], exclude: str | None,
+                  verdict: DoesNotFit) -> DoesNotFit | None:
+        """After a ``"pool"`` refusal: preempt (``release``) the victims ``choose`` finds if
+        that makes ``need`` blocks fit. None: it fits now; ``verdict`` unchanged when nothing
+        was preempted; ``"preempting"`` while the victims' blocks wait for fences."""
+        victims = self.choose(fits, tenant, requester, need, hits, exclude)
+        if not victims:
+            return verdict
+        for seq in victims:
+            release(seq)
+        after = fits(tenant, need, hits, 0, None)
+        return None if after is None else DoesNotFit("preempting", need, after.available)
 
     def choose(self, fits: Fits, tenant: int, requester: Priority, need: int,
                hits: Seq[int], exclude: str | None = None) -> list[Sequence]:
@@ -120,15 +152,14 @@ class VictimChooser:
     def _scan(self, fits: Fits, tenant: int, requester: Priority, need: int, hits: Seq[int],
               exclude: str | None, pending: int) -> list[Sequence]:
         """The O(live sequences + their blocks) part of ``choose``."""
-        policies = self.tenants.policies
         blocks = self.blocks
         # Most recently admitted first; the stable sort keeps that order within equal
         # priorities.
         eligible = [s for s in reversed(self.sequences.values())
-                    if s.id != exclude and (policies[s.tenant].priority, s.priority) < requester]
+                    if s.id != exclude and self.below(s, tenant, requester)]
         if not eligible:
             return []
-        eligible.sort(key=lambda s: (policies[s.tenant].priority, s.priority))
+        eligible.sort(key=self.priority_of)
         ref = blocks.ref
         owner = blocks.owner
         keep = set(hits)  # block ids (ints): membership only, never iterated
@@ -150,16 +181,33 @@ class VictimChooser:
         total = 0
         chosen: list[Sequence] = []
         for s in useful:
+            gain = [b for b in s.table if dropped.get(b, 0) + 1 == ref[b] and b not in keep]
+            if s.tenant != tenant and self._breaks_guarantee(tenant, gain, freed):
+                continue
             chosen.append(s)
             for b in s.table:
-                d = dropped.get(b, 0) + 1
-                dropped[b] = d
-                if d == ref[b] and b not in keep:
-                    total += 1
-                    freed[owner[b]] += 1
+                dropped[b] = dropped.get(b, 0) + 1
+            for b in gain:
+                total += 1
+                freed[owner[b]] += 1
             verdict = fits(tenant, need, hits, pending + total, freed)
             if verdict is None:
                 return chosen
             if verdict.reason == "quota" and not freed[tenant]:
                 return []  # only victims of the requester's own tenant can lift its quota
         return []
+
+    def _breaks_guarantee(self, tenant: int, gain: list[int], freed: list[int]) -> bool:
+        """Whether freeing ``gain`` too (``freed`` per tenant so far) takes a tenant other than
+        the requester below its guaranteed live blocks."""
+        blocks = self.blocks
+        policies = self.tenants.policies
+        more: dict[int, int] = {}
+        for b in gain:
+            o = blocks.owner[b]
+            more[o] = more.get(o, 0) + 1
+        for o, n in more.items():
+            live = blocks.usage[o] - blocks.cached[o] - freed[o] - n
+            if o != tenant and live < policies[o].guaranteed_blocks:
+                return True
+        return False

@@ -22,11 +22,22 @@ class DoesNotFit:
     other tenants' guaranteed minimums), or ``"preempting"``: lower-priority sequences were
     just preempted to make room, and their blocks become reusable once their workers' fences
     complete (retry then). Only a ``"preempting"`` answer changed anything: the preemptions.
+
+    A per-tenant limit names itself (``blockd.core.tenants``): ``"max_sequences"`` (``needed``
+    and ``available`` count sequences) or ``"max_metadata_bytes"`` (bytes); ``unit`` says which.
     """
 
     reason: str
     needed: int
     available: int
+
+    @property
+    def unit(self) -> str:
+        """What ``needed`` and ``available`` count: blocks, sequences or bytes."""
+        return _UNITS.get(self.reason, "blocks")
+
+
+_UNITS = {"max_sequences": "sequences", "max_metadata_bytes": "bytes"}
 
 
 @dataclass(frozen=True, slots=True)

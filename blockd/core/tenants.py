@@ -1,8 +1,17 @@
-"""Tenant policy: quota, guaranteed blocks, priority, sharing domain, scrub-on-reuse.
+"""Tenant policy: quota, guaranteed blocks, priority, sharing domain, scrub-on-reuse, limits.
 
 Policies come from the daemon's tenants file (server side). A client names the tenant it acts
 for; the server checks the credential and the *server* derives the sharing domain from the
 policy, so a client can never pick another tenant's domain.
+
+Limits: everything a tenant makes is counted against its own policy (``TenantTable`` keeps the
+counts per slot), so the daemon's memory is bounded by the sum of the tenants' limits whatever
+one tenant sends: live sequences (fork children included), sessions, waiting fence entries per
+session, and metadata bytes, a documented cost per sequence (``SEQUENCE_BYTES`` plus
+``TABLE_ENTRY_BYTES`` and the token bytes of each block in its table) and per indexed block
+(``INDEXED_BLOCK_BYTES`` for every block of the quota, reserved up front: any block the tenant
+holds may be indexed). A request priority above ``max_request_priority`` counts as that cap
+against other tenants (``blockd.core.preemption``).
 """
 
 from __future__ import annotations
@@ -11,13 +20,34 @@ import enum
 import re
 from dataclasses import dataclass
 
-from blockd.core.errors import InvalidArgument, NotFound
+from blockd.core.errors import InvalidArgument, NotFound, ResourceExhausted
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 #: Upper bound on configured tenants: tenant slots are stored per block as uint16, and metrics
 #: carry one label value per tenant, so the number must stay small and bounded.
 MAX_TENANTS = 1024
+
+#: Metadata cost of one live sequence, fixed part: the object, its id and dict slot, its key
+#: stream state (XXH3, ~600 bytes) and its lists (measured ~1.3 KB in tests/core/test_limits.py).
+SEQUENCE_BYTES = 2048
+#: Metadata cost of each block in a sequence's table besides its token bytes: the table entry,
+#: the chain entry and an uncommitted block's key.
+TABLE_ENTRY_BYTES = 80
+#: Metadata cost of one indexed block (its prefix-index entry and key), reserved for every block
+#: of a tenant's quota.
+INDEXED_BLOCK_BYTES = 128
+#: Defaults of the limits (generous for one laptop tenant, bounded for many).
+DEFAULT_MAX_SEQUENCES = 65_536
+DEFAULT_MAX_SESSIONS = 256
+DEFAULT_MAX_PENDING_FENCES = 8192
+#: Metadata bytes a tenant's sequences may use by default, on top of its quota's index cost.
+DEFAULT_SEQUENCE_METADATA_BYTES = 256 * 2**20
+
+
+def sequence_bytes(num_blocks: int, block_size: int) -> int:
+    """The documented metadata cost of a sequence with ``num_blocks`` blocks in its table."""
+    return SEQUENCE_BYTES + num_blocks * (TABLE_ENTRY_BYTES + 4 * block_size)
 
 
 class Sharing(enum.Enum):
@@ -49,6 +79,18 @@ class TenantPolicy:
     group: str = ""
     #: Zero this tenant's blocks before they are handed to a different tenant.
     scrub_on_reuse: bool = True
+    #: Most live sequences (admitted and forked) at once.
+    max_sequences: int = DEFAULT_MAX_SEQUENCES
+    #: Most attached sessions at once.
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    #: Most releases and commits one session may have waiting for fences.
+    max_pending_fences: int = DEFAULT_MAX_PENDING_FENCES
+    #: Most metadata bytes (see the module docstring); None: the default sequence allowance
+    #: plus the quota's index cost. Never below the quota's index cost.
+    max_metadata_bytes: int | None = None
+    #: Highest request priority that counts against other tenants (higher orders only the
+    #: tenant's own requests).
+    max_request_priority: int = 0
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.tenant_id):
@@ -63,6 +105,27 @@ class TenantPolicy:
             raise InvalidArgument("a group sharing policy needs a valid group name", field="group")
         if self.sharing is not Sharing.GROUP and self.group:
             raise InvalidArgument("group is only meaningful with sharing=group", field="group")
+        for name in ("max_sequences", "max_sessions", "max_pending_fences"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be an integer >= 1", field=name)
+        index = INDEXED_BLOCK_BYTES * self.quota_blocks
+        if self.max_metadata_bytes is None:
+            object.__setattr__(self, "max_metadata_bytes",
+                               index + DEFAULT_SEQUENCE_METADATA_BYTES)
+        elif self.max_metadata_bytes < index + SEQUENCE_BYTES:
+            raise InvalidArgument(
+                f"max_metadata_bytes must be at least {index + SEQUENCE_BYTES} (the quota's "
+                f"index cost, {INDEXED_BLOCK_BYTES} per block, plus one sequence)",
+                field="max_metadata_bytes")
+        if not -2**31 <= self.max_request_priority < 2**31:
+            raise InvalidArgument("max_request_priority must be an int32",
+                                  field="max_request_priority")
+
+    @property
+    def sequence_metadata_bytes(self) -> int:
+        """The metadata bytes left for sequences once the quota's index cost is reserved."""
+        return int(self.max_metadata_bytes or 0) - INDEXED_BLOCK_BYTES * self.quota_blocks
 
     @property
     def sharing_domain(self) -> str:
@@ -79,12 +142,18 @@ class TenantTable:
 
     Slots are never reused while the daemon runs: a reload that drops a tenant keeps its slot
     (its blocks keep their owner until they are freed) and refuses new work for it.
+
+    Per slot it also counts what the tenant holds against its limits (the manager writes the
+    counts, admission reads them): live sequences, their metadata bytes, sessions.
     """
 
     def __init__(self, policies: list[TenantPolicy] | tuple[TenantPolicy, ...] = ()) -> None:
         self._slots: dict[str, int] = {}
         self.policies: list[TenantPolicy] = []
         self.active: list[bool] = []
+        self.sequences: list[int] = []
+        self.sequence_bytes: list[int] = []
+        self.sessions: list[int] = []
         self.replace(list(policies))
 
     def replace(self, policies: list[TenantPolicy]) -> None:
@@ -105,9 +174,21 @@ class TenantTable:
                 self._slots[p.tenant_id] = slot
                 self.policies.append(p)
                 self.active.append(True)
+                self.sequences.append(0)
+                self.sequence_bytes.append(0)
+                self.sessions.append(0)
             else:
                 self.policies[slot] = p
                 self.active[slot] = True
+
+    def add_session(self, slot: int) -> None:
+        """Count a session of ``slot``'s tenant; RESOURCE_EXHAUSTED at its ``max_sessions``."""
+        policy = self.policies[slot]
+        if self.sessions[slot] >= policy.max_sessions:
+            raise ResourceExhausted(f"tenant {policy.tenant_id!r} has max_sessions "
+                                    f"({policy.max_sessions}) attached", reason="max_sessions",
+                                    field="tenant_id")
+        self.sessions[slot] += 1
 
     def slot(self, tenant_id: str) -> int:
         """The slot of an active tenant; NotFound names the field otherwise."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from blockd import wire
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd.core.errors import BlockdError, InvalidArgument, StatusCode
+from blockd.core.errors import BlockdError, InvalidArgument, ResourceExhausted, StatusCode
 from blockd.core.namespace import PrefixScope
 from blockd.core.results import (
     AdmitResult,
@@ -138,8 +138,13 @@ def operation_status(st: pb.OperationStatus, err: BlockdError | DoesNotFit, fiel
     the request field at fault."""
     if isinstance(err, DoesNotFit):
         st.code = StatusCode.RESOURCE_EXHAUSTED
-        st.message = (f"does not fit ({err.reason}): needs {err.needed} blocks, "
+        st.message = (f"does not fit ({err.reason}): needs {err.needed} {err.unit}, "
                       f"{err.available} available")
+        st.field = err.reason
+    elif isinstance(err, ResourceExhausted):
+        # The proto's rule: a RESOURCE_EXHAUSTED status names the limit, not a field.
+        st.code = err.status
+        st.message = err.message
         st.field = err.reason
     else:
         st.code = err.status

@@ -30,8 +30,9 @@ from blockd.core.manager import BlockManager
 from blockd.pools.base import Pool
 from blockd.pools.host import HostPool
 from blockd.runtime import convert, step, tenants_file
+from blockd.runtime.budgets import WorkBudgets
 from blockd.runtime.events import EventLog
-from blockd.runtime.recovery import Recovery
+from blockd.runtime.recovery import JournalCorrupt, Recovery
 from blockd.runtime.sessions import Sessions
 from blockd.runtime.state_store import StateStore
 from blockd.runtime.step import StepLimits
@@ -47,14 +48,30 @@ MAX_LIST_PAGE = 10_000
 def start(cfg: Config) -> Daemon:
     """The daemon, recovered from ``state.dir`` when there is state to recover.
 
-    If replaying the state fails (a bug, or a journal damaged in a way its checksums cannot
-    see), the snapshot and journal are moved aside for a post-mortem and the daemon starts a
-    new epoch, which workers detect: a crash loop would keep every worker waiting instead.
+    If replaying the state fails (a corrupt journal record, a bug), the snapshot and journal
+    are moved aside for a post-mortem and the daemon starts a new epoch, which workers detect:
+    carrying on without the lost records would hand acknowledged blocks to others, and a crash
+    loop would keep every worker waiting. A state directory that cannot be written (full) is
+    an ``OSError``: the daemon refuses to start and the state is kept for when there is room.
     """
     daemon = Daemon(cfg)
+    damage = None
     try:
         daemon.recover()
         return daemon
+    except OSError:
+        daemon.close()
+        raise
+    except JournalCorrupt as exc:
+        store = daemon.recovery.store
+        damage = daemon.recovery.journal_damage
+        daemon.close()
+        assert store is not None
+        kept = store.quarantine()
+        log.error("the journal is corrupt: starting a new epoch, what it held after the damage "
+                  "is lost (the snapshot and journal are kept)",
+                  extra=logs.fields(state_dir=store.dir, kept=kept, journal=exc.path,
+                                    lost=exc.what))
     except Exception:
         store = daemon.recovery.store
         daemon.close()
@@ -64,6 +81,8 @@ def start(cfg: Config) -> Daemon:
         log.exception("recovering failed: starting a new epoch (the snapshot and journal are "
                       "kept)", extra=logs.fields(state_dir=store.dir, kept=kept))
     daemon = Daemon(cfg)
+    if damage is not None:
+        daemon.recovery.journal_damage.update(damage)
     daemon.recover()
     return daemon
 
@@ -77,14 +96,20 @@ class Daemon:
         sc = cfg.server
         self.limits = StepLimits(max_operations_per_step=sc.max_operations_per_step,
                                  max_tokens_per_operation=sc.max_tokens_per_operation,
-                                 max_message_bytes=sc.max_message_bytes)
+                                 max_message_bytes=sc.max_message_bytes,
+                                 max_work_per_call=sc.max_work_per_call)
+        #: Each tenant's work budget (``blockd.runtime.budgets``): one tenant's flood cannot
+        #: take the shared event loop from the others.
+        self.budgets = WorkBudgets(cfg.tenants.work_units_per_second,
+                                   cfg.tenants.work_units_burst)
         self.tenants = self._load_tenants()
         self.events = EventLog()
         self.ids = SequenceIds()
         #: Failed Step operations and batch entries, by status name (a bounded label set).
         self.op_errors: Counter[str] = Counter()
         self.recovery = Recovery(self._state_store(),
-                                 snapshot_min_bytes=cfg.state.snapshot_min_bytes)
+                                 snapshot_min_bytes=cfg.state.snapshot_min_bytes,
+                                 reserve_bytes=cfg.state.reserve_bytes)
         store = self.recovery.store
         saved = self.recovery.load(self.spec, ids=self.ids)
         self.pool: Pool
@@ -163,7 +188,8 @@ class Daemon:
         if self.recovery.enabled:
             self.ids.record()
             self._snapshot()
-        if m.tenant_policies() != {p.tenant_id: p for p in self.tenants.tenants}:
+        if m.tenant_policies() != {p.tenant_id: p for p in self.tenants.tenants} \
+                or self.sessions.revocations(self.tenants):
             self.reload_tenants(self.tenants)  # the file changed while the daemon was down
         if resumed:
             log.info("recovered", extra=logs.fields(
@@ -175,9 +201,15 @@ class Daemon:
         self.recovery.snapshot(self.manager, self.sessions, self.spec, self.epoch)
 
     def _journalled(self) -> None:
-        """After a journalled change: compact the journal into a snapshot when it is due."""
+        """After a journalled change: compact the journal into a snapshot when it is due. A
+        snapshot that cannot be written is deferred (the journal still holds everything): the
+        change was journalled, so its caller gets its answer."""
         if self.recovery.due:
-            self._snapshot()
+            try:
+                self._snapshot()
+            except OSError as exc:
+                log.warning("snapshot deferred: it cannot be written",
+                            extra=logs.fields(error=exc.strerror or str(exc)))
 
     def check(self) -> None:
         """With ``server.check_invariants``: every core invariant, after each call."""
@@ -197,14 +229,22 @@ class Daemon:
         return tenants_file.default(self.spec.num_blocks, self.cfg.tenants.allow_anonymous)
 
     def reload_tenants(self, fresh: TenantsFile | None = None) -> None:
-        """SIGHUP: re-read the tenants file; sessions and blocks are kept."""
+        """SIGHUP: re-read the tenants file (a bad one raises, naming the field, and the
+        previous tenants stay). Sessions and blocks are kept, except that sessions whose tenant
+        or credential is gone, or whose credential no longer acts for their tenant, are revoked
+        (``Sessions.revoke``), and a removed tenant's private prefixes are flushed."""
         fresh = fresh or self._load_tenants()
-        self.manager.set_tenants(fresh.tenants)
+        revoked = self.sessions.revocations(fresh)
+        for info, reason in revoked:
+            self.sessions.revoke(info, reason)
+        flushed = self.manager.set_tenants(fresh.tenants)
         self.recovery.record(["tenants", pickle.dumps(list(fresh.tenants))])
         self.tenants = self.sessions.tenants = fresh
+        self.budgets.forget({p.tenant_id for p in fresh.tenants})
         self._journalled()
-        log.info("tenants reloaded", extra=logs.fields(tenants=len(fresh.tenants),
-                                                       workers=len(fresh.workers)))
+        log.info("tenants reloaded", extra=logs.fields(
+            tenants=len(fresh.tenants), workers=len(fresh.workers),
+            sessions_revoked=len(revoked), blocks_flushed=flushed))
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -223,6 +263,10 @@ class Daemon:
                 f"expects {getattr(wanted, name)!r}", field=f"layout.{name}")
         if self.draining:
             raise Unavailable("the daemon is draining; attach to its replacement")
+        if not req.resume_session_id:
+            self.recovery.require_space(256)  # a new session is new work
+        principal.require_tenant(req.tenant_id)
+        self.budgets.charge(req.tenant_id, step.ATTACH_UNITS)
         info = self.sessions.attach(principal, req.tenant_id, req.worker_name, req.lease_ms,
                                     req.resume_session_id)
         self._journalled()
@@ -233,7 +277,7 @@ class Daemon:
             tenant_id=info.tenant_id, sharing_domain_kind=convert.sharing_kind(policy))
 
     def detach(self, principal: Principal, req: pb.DetachRequest) -> pb.DetachResponse:
-        info = self.sessions.get(principal, req.session_id)
+        info = self.sessions.get(principal, req.session_id, revoked_ok=True)
         released = self.sessions.detach(info, "detach")
         self._journalled()
         return pb.DetachResponse(num_sequences_released=released)
@@ -262,19 +306,29 @@ class Daemon:
     # -- Step ----------------------------------------------------------------------------------
 
     def step(self, principal: Principal, req: pb.StepRequest) -> pb.StepResponse:
+        """Check, apply, journal, then zero the scrubbed blocks and answer: nothing is
+        acknowledged (and no cached block zeroed) before its record is written, and new work
+        is refused before anything is applied when its record may not fit
+        (``Recovery.require_space``)."""
         info = self.sessions.get(principal, req.session_id, req.epoch)
         m = self.manager
+        recovery = self.recovery
+        if recovery.failed is not None:
+            recovery.require_space(0)  # UNAVAILABLE: a retry never gets an unjournalled answer
         retry = step.check(info, req, self.limits, self.spec.block_size,
                            m.session_view(info.id))
         if retry is not None:
             return retry
+        recovery.require_space(req.ByteSize() + 64 * len(req.operations))
+        self.sessions.renew(info)  # a live worker, even if its Step is refused for rate
+        self.budgets.charge(info.tenant_id, step.work_units(req))
         self.sessions.poll_fence(info)
         self.ids.take_minted()  # whatever an earlier failed Step left
         resp = step.apply_step(m, self.sessions, info, req, epoch=self.epoch,
                                limits=self.limits, errors=self.op_errors)
+        recovery.record_step(info.id, req, resp, self.ids.take_minted())
         if resp.scrubbed_blocks:
             self.pool.zero_blocks(list(resp.scrubbed_blocks))
-        self.recovery.record_step(info.id, req, self.ids.take_minted())
         self._journalled()
         return resp
 
@@ -283,6 +337,13 @@ class Daemon:
     def lookup(self, principal: Principal, req: pb.LookupRequest) -> pb.LookupResponse:
         info = self.sessions.get(principal, req.session_id, req.epoch)
         tokens = step.check_tokens(self.limits, req.token_ids, "token_ids")
+        # No hit is longer than the pool (nor than the prompt less its last token): the tokens
+        # beyond the longest possible hit cannot change the answer, so they are never hashed.
+        longest = self.spec.num_blocks * self.spec.block_size + 1
+        if len(tokens) > longest:
+            tokens = tokens[:longest]
+        step.check_work(self.limits, len(tokens), "Lookup", "token_ids")
+        self.budgets.charge(info.tenant_id, len(tokens))
         n = self.manager.lookup(info.id, convert.scope(req.namespace), tokens)
         return pb.LookupResponse(num_cached_tokens=n,
                                  num_cached_blocks=n // self.spec.block_size)
@@ -339,17 +400,31 @@ class Daemon:
         return resp
 
     def stats(self, principal: Principal) -> pb.StatsResponse:
+        """The pool's shape and block states (the capacity a worker schedules against), and
+        the caller's own figures: its tenants' usage, sessions and sequences. The pool-wide
+        counters (prefix-cache hits, evictions, copies) and every tenant's sessions and
+        sequences only for an admin, or a caller acting for every configured tenant (the
+        laptop default): to anyone else they would tell what the other tenants do (they are 0
+        to it; docs/security.md)."""
         m = self.manager
         counts = m.state_counts()
-        c = m.counters
         resp = pb.StatsResponse(
             epoch=self.epoch, num_blocks=self.spec.num_blocks,
             block_size=self.spec.block_size, blocks_free=counts["free"],
             blocks_writing=counts["writing"], blocks_committed=counts["committed"],
-            blocks_pending=counts["pending"], blocks_cached=counts["cached"],
-            prefix_queried_tokens_total=c.queried_tokens, prefix_hit_tokens_total=c.hit_tokens,
-            evictions_total=c.evictions, cow_copies_total=c.cow_copies,
-            num_sessions=len(self.sessions), num_sequences=m.num_sequences)
+            blocks_pending=counts["pending"], blocks_cached=counts["cached"])
+        if principal.admin or set(m.tenant_policies()) <= principal.tenants:
+            c = m.counters
+            resp.MergeFrom(pb.StatsResponse(
+                prefix_queried_tokens_total=c.queried_tokens,
+                prefix_hit_tokens_total=c.hit_tokens,
+                evictions_total=c.evictions, cow_copies_total=c.cow_copies,
+                num_sessions=len(self.sessions), num_sequences=m.num_sequences))
+        else:  # O(sessions), bounded by server.max_sessions
+            own = [m.session_view(i.id) for i in self.sessions
+                   if i.tenant_id in principal.tenants and m.has_session(i.id)]
+            resp.num_sessions = len(own)
+            resp.num_sequences = sum(v.num_sequences for v in own)
         for usage in sorted(m.tenant_usage(), key=lambda u: u.tenant_id):
             if principal.admin or usage.tenant_id in principal.tenants:
                 resp.tenants.append(convert.tenant_usage(usage))

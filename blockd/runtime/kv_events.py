@@ -14,6 +14,12 @@ a slow subscriber). A socket thread owns the ROUTER socket and the PUB socket's 
 answers replay requests from a snapshot of that buffer, so a replay never delays publishing,
 and counts the PUB socket's connected peers. Each socket is used by one thread only; the threads
 share the buffer and the counters under locks.
+
+Who may read (docs/security.md): without CURVE the sockets are unauthenticated, so a private
+tenant's LoRA name (``lora_name``, ``extra_keys``) is withheld (nil) like its token ids; bind
+them to loopback, or set ``events.curve_secret_key_file``: PUB and ROUTER then require CURVE,
+and only the public keys in ``events.curve_client_keys`` are admitted (pyzmq's ZAP
+authenticator), who also get private tenants' LoRA names.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from blockd import logs
 from blockd.config import EventsConfig
 from blockd.core.errors import FailedPrecondition, InvalidArgument
+from blockd.runtime import kv_curve
 from blockd.runtime.events import CLEARED, REMOVED, STORED, Event
 
 log = logging.getLogger("blockd.kv_events")
@@ -67,33 +74,35 @@ class _Stored:
 
     __slots__ = ("hashes", "parent", "tokens", "lora", "namespace", "tenant")
 
-    def __init__(self, ev: Event) -> None:
+    def __init__(self, ev: Event, lora: str) -> None:
         self.hashes: list[int] = []
         self.parent = block_hash(ev.parent_hash) if ev.parent_hash else None
         self.tokens: list[int] = []
-        self.lora, self.namespace, self.tenant = ev.lora_id, ev.namespace, ev.tenant
+        self.lora, self.namespace, self.tenant = lora, ev.namespace, ev.tenant
 
 
 def encode_events(events: Iterable[Event], *, block_size: int, medium: str,
                   wire_format: str = "vllm", extra_keys: bool = True,
-                  labels: bool = False) -> list[Any]:
+                  labels: bool = False, private_lora: bool = False) -> list[Any]:
     """The events of one batch, in order, as vLLM's ``KVCacheEvent`` values.
 
     Consecutive stored blocks of one chain (same namespace, each the parent of the next) become
     one ``BlockStored``, as vLLM publishes a request's new blocks; consecutive removals become
     one ``BlockRemoved``. ``wire_format`` "vllm": tagged maps (vLLM's current msgspec encoding,
     ``omit_defaults``: the tag first, then the fields in vLLM's order, defaults left out);
-    "legacy": the pre-0.26 tagged arrays.
+    "legacy": the pre-0.26 tagged arrays. A private tenant's LoRA name is published only with
+    ``private_lora`` (an authenticated socket); otherwise it is nil, like the base model's.
     """
     groups: list[Any] = []  # _Stored, ("removed", [hash, ...]) or ("cleared",)
     last_key = b""
     for ev in events:
         if ev.kind == STORED:
+            lora = "" if ev.private and not private_lora else ev.lora_id
             cur = groups[-1] if groups else None
             if not (isinstance(cur, _Stored) and last_key and ev.parent_hash == last_key
                     and (cur.lora, cur.namespace, cur.tenant)
-                    == (ev.lora_id, ev.namespace, ev.tenant)):
-                cur = _Stored(ev)
+                    == (lora, ev.namespace, ev.tenant)):
+                cur = _Stored(ev, lora)
                 groups.append(cur)
             cur.hashes.extend(block_hash(k) for k in ev.block_hashes)
             cur.tokens.extend(_tokens(ev.token_bytes))
@@ -145,12 +154,12 @@ def _stored(g: _Stored, block_size: int, medium: str, legacy: bool, extra_keys: 
 
 def encode_batch(events: Iterable[Event], *, ts: float, block_size: int, medium: str,
                  wire_format: str = "vllm", extra_keys: bool = True,
-                 labels: bool = False) -> bytes:
+                 labels: bool = False, private_lora: bool = False) -> bytes:
     """One msgpack ``KVEventBatch``: ``[ts, [event, ...], data_parallel_rank=0]`` (an array in
     both formats; vLLM's publisher sets the rank, 0 for a single engine)."""
     return _pack(ts, encode_events(events, block_size=block_size, medium=medium,
                                    wire_format=wire_format, extra_keys=extra_keys,
-                                   labels=labels))
+                                   labels=labels, private_lora=private_lora))
 
 
 def _pack(ts: float, events: list[Any]) -> bytes:
@@ -192,6 +201,9 @@ class KvEventPublisher:
         self._router: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._threads: list[threading.Thread] = []
+        secret = kv_curve.read_secret(cfg)
+        #: CURVE on the sockets (``blockd.runtime.kv_curve``), None without it.
+        self.curve = kv_curve.CurveServer(secret, kv_curve.client_keys(cfg)) if secret else None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -203,6 +215,8 @@ class KvEventPublisher:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.cfg.hwm)
             pub.setsockopt(zmq.LINGER, 500)
+            if self.curve is not None:
+                self.curve.secure(ctx, pub)
             self._monitor = pub.get_monitor_socket(_PEER_EVENTS)
             if self.cfg.zmq_connect:
                 pub.connect(self.cfg.zmq_endpoint)
@@ -216,10 +230,14 @@ class KvEventPublisher:
                 # A full replay must fit the send queue, or its tail (and END) would be dropped.
                 router.setsockopt(zmq.SNDHWM, max(1000, 2 * (self.cfg.replay_buffer + 1)))
                 router.setsockopt(zmq.LINGER, 0)
+                if self.curve is not None:
+                    self.curve.secure(ctx, router)
                 router.bind(self.cfg.replay_endpoint)
                 self._router = router
                 self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
+            if self.curve is not None:
+                self.curve.stop()
             ctx.destroy(linger=0)
             self._pub = self._router = self._monitor = None
             verb = "connect to" if self.cfg.zmq_connect and where.endswith("zmq_endpoint") \
@@ -236,7 +254,7 @@ class KvEventPublisher:
         log.info("kv events publishing", extra=logs.fields(
             endpoint=self.endpoint, mode="connected" if self.cfg.zmq_connect else "bound",
             replay=self.replay_endpoint or None, topic=self.topic.decode(),
-            wire_format=self.cfg.wire_format))
+            wire_format=self.cfg.wire_format, curve=self.curve is not None))
 
     def submit(self, ev: Event) -> None:
         """The EventLog listener (on the event loop): O(1), never blocks or raises.
@@ -297,6 +315,8 @@ class KvEventPublisher:
         for sock in (self._monitor, self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0 if sock is not self._pub else None)
+        if self.curve is not None:
+            self.curve.stop()
         if self._ctx is not None:
             self._ctx.term()
         log.info("kv events stopped", extra=logs.fields(**self.stats()))
@@ -344,7 +364,8 @@ class KvEventPublisher:
         try:
             events = encode_events(batch, block_size=self.block_size, medium=self.medium,
                                    wire_format=self.cfg.wire_format,
-                                   extra_keys=self.cfg.extra_keys, labels=self.cfg.labels)
+                                   extra_keys=self.cfg.extra_keys, labels=self.cfg.labels,
+                                   private_lora=self.curve is not None)
             payload = _pack(time.time(), events)
         except Exception:
             log.exception("encoding a batch failed; it is not published",

@@ -14,9 +14,24 @@ Journal records (msgpack lists, see ``blockd.runtime.journal``)::
     ["attach", session_id, tenant_id, owner, worker_name, lease_ms]
     ["detach", session_id, reason]
     ["fence", session_id, completed_fence]
-    ["step", session_id, StepRequest bytes, [minted sequence ids]]
+    ["step", session_id, StepRequest bytes, [minted sequence ids], [[index, status], ...]]
     ["flush", {filter: value}]
+    ["revoke", session_id, reason]          (a tenants reload took the session's rights)
     ["tenants", pickled tenant policies]
+
+A Step record is what was applied (``blockd.runtime.step.journal_record``): the request without
+unknown fields, its failed operations emptied and their statuses kept. Nothing is applied
+before its record can be written: new work (Steps, attaches) is refused with
+RESOURCE_EXHAUSTED "state dir full" while the state directory's free space is under
+``state.reserve_bytes`` plus the last snapshot's size (the reserve keeps room for the records
+that free blocks, and for a snapshot); a write that fails anyway (EFBIG, EIO, a race for the
+space) leaves the daemon's memory ahead of its journal, so the daemon stops: every later call
+is UNAVAILABLE until it is restarted, and the restart replays exactly what was acknowledged.
+
+A damaged journal (``blockd.runtime.journal.scan``): a torn final record (never acknowledged)
+is dropped, logged and counted; a corrupt record raises ``JournalCorrupt``, and
+``blockd.runtime.daemon.start`` moves the state aside and starts a new epoch, logging what was
+lost, rather than carry on with a hole in the acknowledged changes.
 
 A snapshot another layout wrote (another ``SNAPSHOT_VERSION`` or core snapshot format, or one
 that cannot be unpickled at all, e.g. it names a module that moved) is not loaded: the daemon
@@ -37,20 +52,30 @@ from typing import Any
 from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.core import snapshot
+from blockd.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from blockd.core.ids import SequenceIds
 from blockd.core.manager import BlockManager
 from blockd.core.spec import PoolSpec
 from blockd.runtime import step
-from blockd.runtime.journal import Journal
-from blockd.runtime.journal import read as read_journal
+from blockd.runtime.journal import OVERHEAD, Journal, scan
 from blockd.runtime.sessions import SavedSession, Sessions
 from blockd.runtime.state_store import StateStore
 
 log = logging.getLogger("blockd.recovery")
 
-#: The layout of the snapshot's state dict. 2: the runtime/core split of issue 12 (every
-#: pickled module path changed).
-SNAPSHOT_VERSION = 2
+#: The layout of the snapshot's state dict (and of the journal after it). 2: the runtime/core
+#: split of issue 12 (every pickled module path changed); 3: journal headers with a checked
+#: length, Step records of what was applied (issue 15).
+SNAPSHOT_VERSION = 3
+
+
+class JournalCorrupt(FailedPrecondition):
+    """A journal record changed after it was written: what follows it is lost."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(f"{path}: {what}", field="state.dir")
+        self.path = path
+        self.what = what
 
 
 @dataclass(slots=True)
@@ -65,9 +90,17 @@ class Saved:
 class Recovery:
     """The state directory's snapshot and journal; inert without ``state.dir``."""
 
-    def __init__(self, store: StateStore | None, *, snapshot_min_bytes: int) -> None:
+    def __init__(self, store: StateStore | None, *, snapshot_min_bytes: int,
+                 reserve_bytes: int = 0) -> None:
         self.store = store
         self.snapshot_min_bytes = snapshot_min_bytes
+        self.reserve_bytes = reserve_bytes
+        #: Why the journal can no longer be written (the daemon must restart), or None.
+        self.failed: str | None = None
+        #: Damaged journals found on load, by kind ("torn", "corrupt"; a metric).
+        self.journal_damage: Counter[str] = Counter()
+        #: New work refused for want of space in the state directory (a metric).
+        self.space_refusals = 0
         #: The journal being written; None until the first snapshot (so during a replay).
         self.journal: Journal | None = None
         self.generation = 0
@@ -127,22 +160,86 @@ class Recovery:
         """Apply the journal written after the snapshot; returns the number of records."""
         if self.store is None:
             return 0
-        records = 0
-        for record in read_journal(self.store.journal_path(self.generation)):
+        path = self.store.journal_path(self.generation)
+        found = scan(path)
+        damage = found.damage
+        if damage is not None and damage.kind == "corrupt":
+            self.journal_damage["corrupt"] += 1
+            raise JournalCorrupt(path, f"{damage.describe()}; {len(found.records)} intact "
+                                       "records before it")
+        if damage is not None:
+            # A write cut short by the daemon's death: never acknowledged (journal.py).
+            self.journal_damage["torn"] += 1
+            log.warning("dropped a torn final journal record (its change was never "
+                        "acknowledged)", extra=logs.fields(journal=path, offset=damage.offset,
+                                                          bytes=damage.bytes_lost))
+        for record in found.records:
             _apply(record, m, sessions, ids, epoch, errors)
-            records += 1
-        return records
+        return len(found.records)
+
+    # -- space ---------------------------------------------------------------------------------
+
+    def free_bytes(self) -> int | None:
+        """Bytes an unprivileged writer may still use in ``state.dir`` (None without it)."""
+        if self.store is None:
+            return None
+        st = os.statvfs(self.store.dir)
+        return st.f_bavail * st.f_frsize
+
+    @property
+    def reserve(self) -> int:
+        """Free bytes new work may not use: ``state.reserve_bytes`` plus room for a snapshot."""
+        return self.reserve_bytes + self._snapshot_bytes
+
+    def require_space(self, record_bytes: int) -> None:
+        """Before new work is applied: refuse it while its record would eat into the reserve,
+        and refuse everything once a journal write has failed."""
+        if self.failed is not None:
+            raise Unavailable(f"the journal cannot be written ({self.failed}): the daemon "
+                              "must be restarted")
+        free = self.free_bytes()
+        if free is None:
+            return
+        needed = self.reserve + record_bytes + OVERHEAD
+        if free < needed:
+            self.space_refusals += 1
+            raise ResourceExhausted(
+                f"state dir full: {free} bytes free in {self.store.dir if self.store else ''}, "
+                f"new work needs {needed} (state.reserve_bytes plus a snapshot)",
+                reason="state_dir", field="state.dir")
 
     # -- recording -----------------------------------------------------------------------------
 
     def record(self, record: list[Any]) -> None:
-        """Journal one applied change (no-op without ``state.dir`` and during a replay)."""
-        if self.journal is not None:
-            self.journal.append(record)
+        """Journal one applied change (no-op without ``state.dir`` and during a replay).
 
-    def record_step(self, session_id: str, req: pb.StepRequest, minted: list[str]) -> None:
+        A failed write raises UNAVAILABLE and marks the journal failed: the change is in
+        memory but not in the journal, so nothing after it may be acknowledged (every later
+        ``record`` and ``require_space`` refuses) until a restart replays the journal.
+        """
+        if self.failed is not None:
+            raise Unavailable(f"the journal cannot be written ({self.failed}): the daemon "
+                              "must be restarted")
+        journal = self.journal
+        if journal is None:
+            return
+        try:
+            journal.append(record)
+        except OSError as exc:
+            self.failed = f"{exc.strerror or exc} writing {journal.path}"
+            log.error("journal write failed: refusing every call until restarted (nothing "
+                      "unjournalled was acknowledged)",
+                      extra=logs.fields(journal=journal.path, record=str(record[0]),
+                                        error=exc.strerror or str(exc)))
+            raise Unavailable(f"the journal cannot be written ({self.failed}): the daemon "
+                              "must be restarted") from None
+
+    def record_step(self, session_id: str, req: pb.StepRequest, resp: pb.StepResponse,
+                    minted: list[str]) -> None:
+        """Journal what a Step applied (``step.journal_record``)."""
         if self.journal is not None:
-            self.journal.append(["step", session_id, req.SerializeToString(), minted])
+            raw, failed = step.journal_record(req, resp)
+            self.record(["step", session_id, raw, minted, sorted(failed.items())])
 
     @property
     def due(self) -> bool:
@@ -152,7 +249,11 @@ class Recovery:
                                                            2 * self._snapshot_bytes)
 
     def snapshot(self, m: BlockManager, sessions: Sessions, spec: PoolSpec, epoch: int) -> None:
-        """Write a snapshot of everything, then start the next journal generation."""
+        """Write a snapshot of everything, then start the next journal generation.
+
+        A snapshot that cannot be written (``OSError``, e.g. a full state directory) changes
+        nothing: the previous snapshot and the current journal stay the truth; the caller
+        decides (a live daemon defers the compaction, a starting one refuses to start)."""
         store = self.store
         if store is None:
             return
@@ -167,7 +268,12 @@ class Recovery:
         self.generation += 1
         if self.journal is not None:
             self.journal.close()
-        self.journal = Journal(store.journal_path(self.generation))
+            self.journal = None
+        try:
+            self.journal = Journal(store.journal_path(self.generation))
+        except OSError as exc:  # the snapshot holds everything so far: only new work is refused
+            self.failed = f"{exc.strerror or exc} opening {store.journal_path(self.generation)}"
+            raise
         store.remove_journals(keep=self.generation)
         self.snapshots += 1
         self.last_snapshot_seconds = time.perf_counter() - t0
@@ -203,13 +309,14 @@ def _apply(record: list[Any], m: BlockManager, sessions: Sessions, ids: Sequence
            epoch: int, errors: Counter[str]) -> None:
     kind = record[0]
     if kind == "step":
-        _, sid, raw, minted = record
+        _, sid, raw, minted, failed = record
         info = sessions.find(sid)
         if info is None:
             raise ValueError(f"journal: a step of unknown session {sid!r}")
         with ids.replaying(minted):
             step.apply_step(m, sessions, info, pb.StepRequest.FromString(raw), epoch=epoch,
-                            limits=None, errors=errors)
+                            limits=None, errors=errors,
+                            failed={int(i): bytes(st) for i, st in failed})
     elif kind == "fence":
         m.complete_fence(record[1], record[2])
     elif kind == "attach":
@@ -222,6 +329,11 @@ def _apply(record: list[Any], m: BlockManager, sessions: Sessions, ids: Sequence
         sessions.detach(info, record[2], poll_fence=False)
     elif kind == "flush":
         m.flush(**record[1])
+    elif kind == "revoke":
+        info = sessions.find(record[1])
+        if info is None:
+            raise ValueError(f"journal: a revoke of unknown session {record[1]!r}")
+        sessions.revoke(info, record[2])
     elif kind == "tenants":
         m.set_tenants(pickle.loads(record[1]))  # noqa: S301 (our own journal)
     else:

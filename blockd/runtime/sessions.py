@@ -32,6 +32,9 @@ from blockd.runtime.tenants_file import Principal, TenantsFile
 
 log = logging.getLogger("blockd.sessions")
 
+#: Closed revoked sessions remembered, to tell their next call why (oldest forgotten first).
+MAX_REVOKED = 4096
+
 #: What a snapshot keeps of a session: id, tenant, owner, worker name, lease, last step id and
 #: the last answer's bytes.
 SavedSession = tuple[str, str, str, str, int, int, bytes | None]
@@ -53,6 +56,8 @@ class SessionInfo:
     fence_times: deque[tuple[int, float]] = field(default_factory=deque)
     #: Where the worker publishes its completed fence (polled by the daemon).
     fence_page: FencePage | None = None
+    #: Why a tenants reload ended the session ("" while it is live): see ``Sessions.revoke``.
+    revoked: str = ""
 
 
 class Sessions:
@@ -70,6 +75,12 @@ class Sessions:
         self.store = store
         self.record = record
         self._by_id: dict[str, SessionInfo] = {}
+        #: Closed revoked sessions -> why (the last ``MAX_REVOKED``): their next call says why.
+        self._revoked: dict[str, str] = {}
+        #: Seconds the daemon itself did not run (see ``now``), and the reaper's last run (or
+        #: this object's creation: a stall before the first run counts too).
+        self._stalled = 0.0
+        self._last_reap = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -79,6 +90,18 @@ class Sessions:
 
     def find(self, session_id: str) -> SessionInfo | None:
         return self._by_id.get(session_id)
+
+    def now(self) -> float:
+        """The daemon's *alive time*: the monotonic clock less every stall of the daemon.
+
+        Leases are measured on it, so a lease only runs while the daemon runs. A stall is time
+        the reaper ran later than its interval: the process was stopped (SIGSTOP, a VM pause,
+        swapping) or the event loop was held (a flood of calls queued before the workers'
+        heartbeats). During a stall a worker's heartbeat cannot get in, so a lease that
+        expired then says nothing about the worker: every lease is extended by the stall,
+        and a worker that kept heartbeating is never reaped because the daemon did not listen.
+        """
+        return time.monotonic() - self._stalled
 
     # -- credentials ---------------------------------------------------------------------------
 
@@ -93,14 +116,28 @@ class Sessions:
                     token = ""
         return self.tenants.authenticate(token)
 
-    def get(self, principal: Principal, session_id: str, epoch: int | None = None
-            ) -> SessionInfo:
-        """The caller's session; NOT_FOUND, PERMISSION_DENIED or a stale-epoch error."""
+    def get(self, principal: Principal, session_id: str, epoch: int | None = None, *,
+            revoked_ok: bool = False) -> SessionInfo:
+        """The caller's session: owned by its credential (the name, unique in the tenants
+        file), which must still act for the session's tenant. NOT_FOUND, PERMISSION_DENIED,
+        FAILED_PRECONDITION for a session a reload revoked (unless ``revoked_ok``: a Detach)
+        or a stale epoch."""
         info = self._by_id.get(session_id)
         if info is None:
+            if session_id in self._revoked:
+                raise FailedPrecondition(f"the session was ended by a tenants reload "
+                                         f"({self._revoked[session_id]}): attach again",
+                                         field="session_id")
             raise NotFound("unknown or expired session", field="session_id")
         if info.owner != principal.name and not principal.admin:
-            raise PermissionDenied("the session belongs to another worker", field="session_id")
+            raise PermissionDenied("the session belongs to another credential",
+                                   field="session_id")
+        if info.revoked and not revoked_ok:
+            raise FailedPrecondition(f"the session was ended by a tenants reload "
+                                     f"({info.revoked}): attach again", field="session_id")
+        if not (principal.admin or info.revoked) and info.tenant_id not in principal.tenants:
+            raise PermissionDenied("this credential may no longer act for the session's "
+                                   "tenant", field="session_id")
         if epoch is not None and epoch != self.epoch:
             raise FailedPrecondition(
                 f"epoch {epoch} is stale (current {self.epoch}): re-attach", field="epoch")
@@ -133,8 +170,11 @@ class Sessions:
         if resume_session_id and resume_session_id in self._by_id:
             info = self._by_id[resume_session_id]
             if info.owner != principal.name or info.tenant_id != tenant_id:
-                raise PermissionDenied("that session belongs to another worker",
+                raise PermissionDenied("that session belongs to another credential",
                                        field="resume_session_id")
+            if info.revoked:
+                raise FailedPrecondition(f"that session was ended by a tenants reload "
+                                         f"({info.revoked})", field="resume_session_id")
             info.lease_ms = lease
             self.renew(info)
             return info
@@ -172,12 +212,12 @@ class Sessions:
         """The daemon's side of a core session, with a full lease and its fence page."""
         page = FencePage(self.store.fence_path(sid) if self.store else None)
         info = SessionInfo(sid, tenant_id, owner, worker_name, lease_ms,
-                           time.monotonic() + lease_ms / 1000, fence_page=page)
+                           self.now() + lease_ms / 1000, fence_page=page)
         self._by_id[sid] = info
         return info
 
     def renew(self, info: SessionInfo) -> None:
-        info.expires_at = time.monotonic() + info.lease_ms / 1000
+        info.expires_at = self.now() + info.lease_ms / 1000
 
     def detach(self, info: SessionInfo, reason: str, *, poll_fence: bool = True) -> int:
         """Close the session and release its sequences; returns how many.
@@ -189,6 +229,10 @@ class Sessions:
             self.poll_fence(info)
         released = self.m.close_session(info.id)
         del self._by_id[info.id]
+        if info.revoked:
+            self._revoked[info.id] = info.revoked
+            if len(self._revoked) > MAX_REVOKED:
+                del self._revoked[next(iter(self._revoked))]
         self.record(["detach", info.id, reason])
         if info.fence_page is not None:
             info.fence_page.close(unlink=True)
@@ -198,12 +242,58 @@ class Sessions:
         return released
 
     def reap(self) -> int:
-        """Close every session whose lease has expired; returns how many."""
-        now = time.monotonic()
-        expired = [i for i in self._by_id.values() if i.expires_at < now]
+        """Close every session whose lease has expired in alive time (``now``); returns how
+        many. Called every ``lease.reap_interval_ms``: the time past that since its last run is
+        a stall of the daemon, taken out of alive time first."""
+        t = time.monotonic()
+        late = t - self._last_reap - self.lease.reap_interval_ms / 1000
+        if late > 0:
+            self._stalled += late
+            if late > 1.0:
+                log.warning("the daemon stalled: leases extended by the stall",
+                            extra=logs.fields(stall_s=round(late, 3)))
+        self._last_reap = t
+        now = self.now()
+        expired = [i for i in self._by_id.values() if i.expires_at < now
+                   or (i.revoked and self.m.session_view(i.id).oldest_waiting_fence is None)]
         for info in expired:
-            self.detach(info, "lease expired")
+            self.detach(info, "revoked" if info.revoked else "lease expired")
         return len(expired)
+
+    # -- revocation (a tenants reload) --------------------------------------------------------
+
+    def revocations(self, fresh: TenantsFile) -> list[tuple[SessionInfo, str]]:
+        """The live sessions ``fresh`` ends, each with why: its tenant is gone, its credential
+        is gone, or the credential no longer acts for the tenant."""
+        creds = {w.name: w.tenants for w in fresh.workers}
+        if fresh.anonymous is not None:
+            creds[fresh.anonymous.name] = fresh.anonymous.tenants
+        configured = {p.tenant_id for p in fresh.tenants}
+        out = []
+        for info in self._by_id.values():
+            if info.revoked:
+                continue
+            if info.tenant_id not in configured:
+                out.append((info, f"tenant {info.tenant_id!r} was removed"))
+            elif info.owner not in creds:
+                out.append((info, f"credential {info.owner!r} was removed"))
+            elif info.tenant_id not in creds[info.owner]:
+                out.append((info, f"credential {info.owner!r} may no longer act for tenant "
+                                  f"{info.tenant_id!r}"))
+        return out
+
+    def revoke(self, info: SessionInfo, reason: str) -> int:
+        """End a session a reload took the rights of (journalled): its sequences are released
+        under its fences and its unconfirmed commits dropped (``BlockManager.revoke_session``);
+        every later call but a Detach is FAILED_PRECONDITION naming ``reason``; the reaper
+        closes it once its fences complete (its fence page is still polled) or its lease
+        expires. Returns the sequences released."""
+        released = self.m.revoke_session(info.id)
+        info.revoked = reason
+        self.record(["revoke", info.id, reason])
+        log.warning("session revoked", extra=logs.fields(
+            tenant=info.tenant_id, worker=info.worker_name, reason=reason, sequences=released))
+        return released
 
     # -- fences --------------------------------------------------------------------------------
 

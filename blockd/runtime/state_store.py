@@ -8,6 +8,8 @@ read or write it, since it holds every tenant's K/V and a pickle the daemon load
     snapshot              the last snapshot (written to snapshot.tmp, then renamed)
     journal.<generation>  what was applied since the snapshot of that generation
     lock                  flock-ed by the daemon using the directory (holds its pid)
+    failed-<time>-<pid>/  a snapshot and journal that could not be replayed (a corrupt
+                          journal, a bug), kept for a post-mortem
 
 A snapshot names the generation of the journal that follows it; taking one writes the new
 snapshot, renames it over the old one, and only then starts the next journal and deletes the
@@ -107,6 +109,10 @@ class StateStore:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # give the space back: the old snapshot stays the truth
+            raise
         finally:
             os.close(fd)
         os.replace(tmp, self.dir / "snapshot")

@@ -1,8 +1,10 @@
 """One Step: validated against the per-request limits, then applied operation by operation.
 
 ``check`` runs before anything is applied: the step id (a retry is answered from the session's
-last answer, not reapplied), the operation count and a bound of the answer's size (an answer
-that cannot be sent would leave the worker with a Step applied that it never learns about).
+last answer, not reapplied), the operation count, the Step's work (``work_units``, bounded by
+``server.max_work_per_call`` so that no call holds the shared event loop for long) and a bound
+of the answer's size (an answer that cannot be sent would leave the worker with a Step applied
+that it never learns about).
 ``apply_step`` then applies the operations in order; each operation's error becomes that
 operation's ``OperationStatus`` (``blockd.runtime.convert.operation_status``) and the others
 still apply.
@@ -41,6 +43,46 @@ class StepLimits:
     max_operations_per_step: int
     max_tokens_per_operation: int
     max_message_bytes: int
+    #: ``server.max_work_per_call``: the most work units (``work_units``) one call may cost.
+    max_work_per_call: int = 1 << 17
+
+
+#: Work units (``work_units``): one per token id hashed or stored, and these per operation,
+#: per batch entry and per forked child. Measured on the daemon's own code: a unit is about a
+#: tenth of a microsecond of loop time (an admit ~25 us, an append or release ~4-8 us, a batch
+#: entry ~0.6 us, a token id ~0.1 us), so ``server.max_work_per_call`` bounds how long one call
+#: holds the event loop every tenant shares.
+ADMIT_UNITS = 256
+OP_UNITS = 64
+ENTRY_UNITS = 8
+ATTACH_UNITS = 1024
+
+
+def work_units(req: pb.StepRequest) -> int:
+    """What a Step costs, from counts alone (nothing is parsed or applied)."""
+    units = 0
+    for op in req.operations:
+        kind = op.WhichOneof("op")
+        if kind == "admit":
+            units += ADMIT_UNITS + len(op.admit.token_ids)
+        elif kind == "append":
+            units += OP_UNITS + len(op.append.token_ids)
+        elif kind == "append_batch":
+            b = op.append_batch
+            units += OP_UNITS + ENTRY_UNITS * len(b.sequence_ids) + len(b.token_ids)
+        elif kind == "fork":
+            units += OP_UNITS * (1 + max(0, min(op.fork.num_children, 64)))
+        else:
+            units += OP_UNITS
+    return units
+
+
+def check_work(limits: StepLimits, units: int, what: str, field: str) -> None:
+    """Refuse a call costing more than ``server.max_work_per_call``, before it is applied."""
+    if units > limits.max_work_per_call:
+        raise ResourceExhausted(
+            f"work: the {what} costs {units} work units, over server.max_work_per_call "
+            f"({limits.max_work_per_call}): split it", reason="work", field=field)
 
 
 def check_tokens(limits: StepLimits | None, tokens: Any, field: str) -> Any:
@@ -65,6 +107,7 @@ def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size
     limit = limits.max_operations_per_step
     if len(req.operations) > limit:
         raise InvalidArgument(f"more than {limit} operations", field="operations")
+    check_work(limits, work_units(req), "Step", "operations")
     bound = answer_bound(req, block_size, view)
     if bound > limits.max_message_bytes:
         raise ResourceExhausted(
@@ -105,11 +148,14 @@ def answer_bound(req: pb.StepRequest, block_size: int, view: SessionView) -> int
 
 
 def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.StepRequest, *,
-               epoch: int, limits: StepLimits | None, errors: Counter[str]) -> pb.StepResponse:
+               epoch: int, limits: StepLimits | None, errors: Counter[str],
+               failed: dict[int, bytes] | None = None) -> pb.StepResponse:
     """Apply a checked Step; the answer lists the blocks to zero (``scrubbed_blocks``), which
     the caller zeroes in a live Step and not in a replay (workers wrote to them since).
 
-    ``errors`` counts the failed operations and batch entries by status name.
+    ``errors`` counts the failed operations and batch entries by status name. ``failed``
+    (a replay of ``journal_record``): the operations that failed when the Step was first
+    applied, by index, with their serialized status; they are answered with it, not applied.
     """
     sid = info.id
     m.begin_step(sid, req.fence, req.completed_fence)
@@ -118,6 +164,10 @@ def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.S
     for i, op in enumerate(req.operations):
         kind = op.WhichOneof("op")
         result = resp.results.add()
+        if failed is not None and i in failed:
+            result.status.ParseFromString(failed[i])
+            errors[convert.status_name(result.status.code)] += 1
+            continue
         try:
             if kind == "append_batch":
                 for code in _append_batch(m, sid, i, op.append_batch, req.fence, result,
@@ -158,6 +208,27 @@ def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.S
     resp.scrubbed_blocks.extend(m.take_scrubbed())
     sessions.stepped(info, req, resp)
     return resp
+
+
+def journal_record(req: pb.StepRequest, resp: pb.StepResponse
+                   ) -> tuple[bytes, dict[int, bytes]]:
+    """What a journal keeps of an applied Step: the request without unknown fields and with
+    every failed operation emptied, and those operations' statuses by index.
+
+    A failed operation changed nothing (the core checks before it commits), so replaying its
+    status instead of the operation rebuilds the same state and the same answer; the record
+    holds what was applied (bounded by what the tenant's quota let it place) plus a few bytes
+    per refusal, never a refused request's token ids or fields this daemon does not know.
+    """
+    kept = pb.StepRequest()
+    kept.CopyFrom(req)
+    kept.DiscardUnknownFields()
+    statuses: dict[int, bytes] = {}
+    for i, result in enumerate(resp.results):
+        if result.status.code:
+            kept.operations[i].Clear()
+            statuses[i] = result.status.SerializeToString()
+    return kept.SerializeToString(), statuses
 
 
 def _failed(result: pb.OperationResult, err: BlockdError | DoesNotFit, index: int,

@@ -9,9 +9,15 @@ tenants:
     sharing: private        # private | group | public
     group: ""               # required with sharing: group
     scrub_on_reuse: true    # optional, default true
+    # Optional per-tenant limits (docs/security.md lists defaults and what each protects):
+    max_sequences: 65536    # live sequences, fork children included
+    max_sessions: 256       # attached sessions
+    max_pending_fences: 8192  # releases/commits one session has waiting for fences
+    max_metadata_bytes: 268435456  # default: 256 MiB + 128 bytes per quota block
+    max_request_priority: 0  # AdmitOp.priority counts at most this against other tenants
 workers:
-  - name: worker-a
-    token_sha256: 9f86d0...  # hex SHA-256 of the bearer token; the token itself is never stored
+  - name: worker-a          # required, unique: the credential's identity (owns its sessions)
+    token_sha256: 9f86d0...  # hex SHA-256 of the bearer token (unique); never the token itself
     tenants: [acme]
     admin: false            # admins may flush any namespace, watch events, see every tenant
 ```
@@ -33,7 +39,10 @@ from blockd.core.errors import InvalidArgument, PermissionDenied, Unauthenticate
 from blockd.core.tenants import Sharing, TenantPolicy
 
 DEFAULT_TENANT = "default"
+#: The name of the laptop default's anonymous caller (reserved: no credential may take it).
+ANONYMOUS = "anonymous"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +57,11 @@ class Worker:
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """The authenticated caller of one RPC."""
+    """The authenticated caller of one RPC.
+
+    ``name`` is the credential's identity: unique in the tenants file (refused otherwise), what
+    a session's owner is, and kept by a token rotation (same name, new ``token_sha256``).
+    """
 
     name: str
     tenants: frozenset[str]
@@ -88,7 +101,7 @@ def default(quota_blocks: int, allow_anonymous: bool) -> TenantsFile:
     """One tenant, ``default``, with the whole pool; anonymous callers act for it if allowed."""
     policy = TenantPolicy(DEFAULT_TENANT, quota_blocks=quota_blocks, sharing=Sharing.PRIVATE,
                           scrub_on_reuse=False)
-    anon = Principal("anonymous", frozenset({DEFAULT_TENANT}), False) if allow_anonymous else None
+    anon = Principal(ANONYMOUS, frozenset({DEFAULT_TENANT}), False) if allow_anonymous else None
     return TenantsFile((policy,), (), anon)
 
 
@@ -102,7 +115,7 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
         if not isinstance(t, Mapping):
             raise InvalidArgument(f"{source}: {where} must be a mapping", field=where)
         unknown = set(t) - {"id", "quota_blocks", "guaranteed_blocks", "priority", "sharing",
-                            "group", "scrub_on_reuse"}
+                            "group", "scrub_on_reuse", *_LIMITS}
         if unknown:
             raise InvalidArgument(f"{source}: {where} has unknown keys {sorted(unknown)}",
                                   field=where)
@@ -120,6 +133,7 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
                 sharing=sharing,
                 group=str(t.get("group", "")),
                 scrub_on_reuse=bool(t.get("scrub_on_reuse", True)),
+                **{k: _limit(t[k], k) for k in _LIMITS if k in t},
             ))
         except KeyError as exc:
             raise InvalidArgument(f"{source}: {where} needs {exc.args[0]!r}",
@@ -128,11 +142,16 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
             raise InvalidArgument(f"{source}: {where}: {exc.message}",
                                   field=f"{where}.{exc.field}") from None
     names = {p.tenant_id for p in policies}
-    workers = []
+    workers: list[Worker] = []
     for i, w in enumerate(data.get("workers") or []):
         where = f"workers[{i}]"
         if not isinstance(w, Mapping):
             raise InvalidArgument(f"{source}: {where} must be a mapping", field=where)
+        name = w.get("name")
+        if not isinstance(name, str) or not _NAME.match(name) or name == ANONYMOUS:
+            raise InvalidArgument(f"{source}: {where}.name must be a name like a tenant id "
+                                  f"(not {ANONYMOUS!r}): it is the credential's identity",
+                                  field=f"{where}.name")
         digest = str(w.get("token_sha256", "")).lower()
         if not _HEX64.match(digest):
             raise InvalidArgument(f"{source}: {where}.token_sha256 must be 64 hex digits",
@@ -141,9 +160,31 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
         if allowed - names:
             raise InvalidArgument(f"{source}: {where} names unknown tenants "
                                   f"{sorted(allowed - names)}", field=f"{where}.tenants")
-        workers.append(Worker(str(w.get("name", f"worker-{i}")), bytes.fromhex(digest), allowed,
-                              bool(w.get("admin", False))))
+        for other, o in enumerate(workers):
+            # Sessions belong to the credential's name: two entries sharing a name (or a token,
+            # which would authenticate as either) would act on each other's sessions.
+            if o.name == name:
+                raise InvalidArgument(f"{source}: {where}.name {name!r} is also workers[{other}]"
+                                      f"'s: credential names must be unique",
+                                      field=f"{where}.name")
+            if hmac.compare_digest(o.token_sha256, bytes.fromhex(digest)):
+                raise InvalidArgument(f"{source}: {where}.token_sha256 is also workers[{other}]"
+                                      f"'s: every credential needs its own token",
+                                      field=f"{where}.token_sha256")
+        workers.append(Worker(name, bytes.fromhex(digest), allowed, bool(w.get("admin", False))))
     return TenantsFile(tuple(policies), tuple(workers))
+
+
+#: The optional limit keys of a tenant (``TenantPolicy`` fields of the same names).
+_LIMITS = ("max_sequences", "max_sessions", "max_pending_fences", "max_metadata_bytes",
+           "max_request_priority")
+
+
+def _limit(value: object, key: str) -> int:
+    """A limit's value: an integer (never a bool, a float or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{key} must be an integer, got {value!r}", field=key)
+    return value
 
 
 def load(path: str | Path) -> TenantsFile:

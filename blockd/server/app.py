@@ -34,7 +34,14 @@ from blockd.core.errors import FailedPrecondition, Internal
 from blockd.pools.handles import HandleServer
 from blockd.runtime import daemon as runtime
 from blockd.runtime.kv_events import KvEventPublisher
-from blockd.server.endpoints import SocketClaim, check_port, split_address
+from blockd.server.endpoints import (
+    SocketClaim,
+    check_port,
+    require_tls_off_loopback,
+    set_socket_mode,
+    split_address,
+    tls_credentials,
+)
 from blockd.server.metrics import Metrics, serve_http
 from blockd.server.servicer import BlockdServicer
 
@@ -86,10 +93,13 @@ def _grpc_server(sc: ServerConfig, servicer: BlockdServicer
     return server, health_servicer
 
 
-def _listen(server: grpc.aio.Server, target: str, field: str) -> int:
-    """``add_insecure_port``, with gRPC's RuntimeError (a port taken since the check) as the
-    one-line refusal of the field."""
+def _listen(server: grpc.aio.Server, target: str, field: str,
+            creds: grpc.ServerCredentials | None = None) -> int:
+    """``add_insecure_port`` (``add_secure_port`` with ``creds``), with gRPC's RuntimeError (a
+    port taken since the check) as the one-line refusal of the field."""
     try:
+        if creds is not None:
+            return server.add_secure_port(target, creds)
         return server.add_insecure_port(target)
     except RuntimeError:
         raise FailedPrecondition(f"{field}: cannot listen on {target} (in use, or not an "
@@ -119,7 +129,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
                 claim = SocketClaim(path, field)
                 claim.acquire()
                 stack.callback(claim.release)
+        tls = tls_credentials(sc)  # unreadable files: refused before anything is bound
         if sc.tcp_address:
+            require_tls_off_loopback(sc.tcp_address, tls is not None)
             check_port(sc.tcp_address, "server.tcp_address")
         if cfg.metrics.address:
             check_port(cfg.metrics.address, "metrics.address")
@@ -147,13 +159,19 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         endpoints = {}
         if sc.unix_socket:
             _listen(server, f"unix:{sc.unix_socket}", "server.unix_socket")
+            set_socket_mode(sc.unix_socket, sc.socket_mode, "server.unix_socket")
             endpoints["unix"] = sc.unix_socket
         if sc.tcp_address:
             host, port = split_address(sc.tcp_address)
-            bound = _listen(server, f"{host}:{port}", "server.tcp_address")
+            bound = _listen(server, f"{host}:{port}", "server.tcp_address", tls)
             endpoints["tcp"] = f"{host}:{bound}"
+            if tls is not None:
+                endpoints["tls"] = "mtls" if sc.tls_client_ca else "tls"
         if sc.handle_socket:
-            handles = HandleServer(sc.handle_socket, daemon.handle_for)
+            handles = HandleServer(sc.handle_socket, daemon.handle_for,
+                                   mode=int(sc.socket_mode, 8),
+                                   max_connections=sc.handle_connections,
+                                   timeout=sc.handle_timeout_s)
             stack.callback(handles.close)
             handles.start()
             endpoints["handles"] = handles.path
@@ -161,10 +179,14 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             endpoints["kv_events"] = publisher.endpoint
             if publisher.replay_endpoint:
                 endpoints["kv_replay"] = publisher.replay_endpoint
+        await server.start()
+        # After gRPC: /healthz answering means gRPC serves (the Kubernetes probes ask it).
         if cfg.metrics.address:
             host, port = split_address(cfg.metrics.address)
             try:
-                metrics_server = await serve_http(metrics, host, port)
+                metrics_server = await serve_http(
+                    metrics, host, port, max_connections=cfg.metrics.max_connections,
+                    timeout=cfg.metrics.request_timeout_s)
             except OSError as exc:
                 raise FailedPrecondition(f"metrics.address: cannot listen on "
                                          f"{cfg.metrics.address}: {exc.strerror}",
@@ -172,7 +194,6 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             stack.callback(metrics_server.close)
             endpoints["metrics"] = f"{host}:{metrics_server.sockets[0].getsockname()[1]}"
 
-        await server.start()
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("configuration", extra=logs.fields(**{

@@ -24,6 +24,11 @@ The default sockets live in ``blockd.config.runtime_dir()``, which is created 07
 when another user owns it or it is open to others (it is in ``/tmp`` without
 ``XDG_RUNTIME_DIR``).
 
+Plaintext TCP is for loopback only (``require_tls_off_loopback``): the bearer token travels in
+every call, so any other address needs ``server.tls_cert`` and ``server.tls_key``
+(``tls_credentials``; with ``server.tls_client_ca`` clients need a certificate too). Unix sockets
+get ``server.socket_mode`` explicitly (``set_socket_mode``), whatever the umask.
+
 Every refusal is a ``FailedPrecondition`` naming the config field, so the daemon's entry point
 reports it in one line and exits with status 2.
 """
@@ -33,11 +38,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import ipaddress
 import logging
 import os
 import socket
 import stat
 from pathlib import Path
+
+import grpc
 
 from blockd import config, logs
 from blockd.core.errors import FailedPrecondition
@@ -76,6 +84,66 @@ def check_port(address: str, field: str) -> None:
                         field=field) from None
                 raise FailedPrecondition(f"{field}: cannot listen on {address}: "
                                          f"{exc.strerror}", field=field) from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one ("localhost" included)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(found) and all(ipaddress.ip_address(str(a[4][0]).split("%")[0]).is_loopback
+                               for a in found)
+
+
+def require_tls_off_loopback(address: str, tls: bool) -> None:
+    """Refuse a non-loopback ``server.tcp_address`` without TLS (tokens would be sniffable)."""
+    host, _ = split_address(address)
+    if not tls and not is_loopback(host):
+        raise FailedPrecondition(
+            f"server.tcp_address: {address} is not a loopback address and TCP is plaintext; "
+            "set server.tls_cert and server.tls_key (or bind 127.0.0.1)",
+            field="server.tcp_address")
+
+
+def tls_credentials(sc: config.ServerConfig) -> grpc.ServerCredentials | None:
+    """The TCP listener's TLS credentials (``None``: plaintext), from the PEM files named;
+    also refuses a ``server.socket_mode`` other than 0660/0600 (checked before any bind)."""
+    if sc.socket_mode not in ("0660", "0600"):
+        raise FailedPrecondition(f"server.socket_mode: must be '0660' or '0600', got "
+                                 f"{sc.socket_mode!r}", field="server.socket_mode")
+    for name, needs in (("tls_key", "tls_cert"), ("tls_cert", "tls_key"),
+                        ("tls_client_ca", "tls_cert")):
+        if getattr(sc, name) and not getattr(sc, needs):
+            raise FailedPrecondition(f"server.{needs}: needed with server.{name}",
+                                     field=f"server.{needs}")
+    if not sc.tls_cert:
+        return None
+    pem: dict[str, bytes] = {}
+    for name in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(sc, name)
+        if not path:
+            continue
+        try:
+            pem[name] = Path(path).read_bytes()
+        except OSError as exc:
+            raise FailedPrecondition(f"server.{name}: cannot read {path}: {exc.strerror}",
+                                     field=f"server.{name}") from None
+        if b"-----BEGIN" not in pem[name]:
+            raise FailedPrecondition(f"server.{name}: {path} is not a PEM file",
+                                     field=f"server.{name}")
+    ca = pem.get("tls_client_ca")
+    return grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def set_socket_mode(path: str, mode: str, field: str) -> None:
+    """``chmod`` a Unix socket to ``mode`` ("0660"/"0600"): the umask does not decide."""
+    try:
+        os.chmod(path, int(mode, 8))
+    except OSError as exc:
+        raise FailedPrecondition(f"{field}: cannot chmod {path}: {exc.strerror}",
+                                 field=field) from None
 
 
 def prepare_dir(path: str, field: str) -> None:

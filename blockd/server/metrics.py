@@ -43,6 +43,7 @@ import blockd
 if TYPE_CHECKING:
     from blockd.runtime.daemon import Daemon
     from blockd.runtime.kv_events import KvEventPublisher
+    from blockd.runtime.recovery import Recovery
 
 log = logging.getLogger("blockd.metrics")
 
@@ -83,6 +84,8 @@ class Metrics:
         #: Periodic invariant checks (``server.invariant_check_interval_ms``) and failures.
         self.invariant_checks = 0
         self.invariant_violations = 0
+        #: HTTP connections closed at accept: ``metrics.max_connections`` were open.
+        self.http_refused = 0
 
     def bind(self, daemon: Daemon, events: KvEventPublisher | None = None) -> None:
         """Export ``daemon``'s state and, when events are on, the KV-event publisher's counters."""
@@ -96,7 +99,11 @@ class Metrics:
 
     def health(self) -> tuple[str, bytes]:
         """``/healthz``: 503 once the daemon drains (SIGTERM), so that an HTTP load balancer or
-        readiness check stops sending new work while attached workers finish; 200 otherwise."""
+        readiness check stops sending new work while attached workers finish, and 503 for good
+        once a journal write failed (every change is refused until a restart replays the
+        journal: a liveness probe then restarts the daemon); 200 otherwise."""
+        if self.daemon is not None and self.daemon.recovery.failed is not None:
+            return "503 Service Unavailable", b"journal unwritable: restart to recover\n"
         if self.daemon is not None and self.daemon.draining:
             return "503 Service Unavailable", b"draining\n"
         return "200 OK", b"ok\n"
@@ -153,7 +160,8 @@ class _DaemonCollector(Collector):
                                   value=c.allocated_blocks)
         fail = CounterMetricFamily("blockd_allocation_failures",
                                    "Allocations that did not fit, by reason.", labels=["reason"])
-        for reason in ("pool", "quota", "guarantee", "preempting"):
+        for reason in ("pool", "quota", "guarantee", "preempting", "max_sequences",
+                       "max_metadata_bytes"):
             fail.add_metric([reason], c.alloc_failures.get(reason, 0))
         yield fail
         usage = m.tenant_usage()
@@ -172,6 +180,10 @@ class _DaemonCollector(Collector):
         yield CounterMetricFamily("blockd_invariant_checks",
                                   "Periodic checks of every block-manager invariant.",
                                   value=self.metrics.invariant_checks)
+        yield CounterMetricFamily("blockd_metrics_connections_refused",
+                                  "HTTP connections to /metrics closed at accept "
+                                  "(metrics.max_connections were open).",
+                                  value=self.metrics.http_refused)
         yield CounterMetricFamily("blockd_invariant_violations",
                                   "Periodic invariant checks that failed (see the log).",
                                   value=self.metrics.invariant_violations)
@@ -190,6 +202,7 @@ class _DaemonCollector(Collector):
             yield GaugeMetricFamily("blockd_last_snapshot_seconds",
                                     "Time the last snapshot held the event loop.",
                                     value=r.last_snapshot_seconds)
+            yield from _durability(r)
         yield GaugeMetricFamily("blockd_pending_blocks",
                                 "Blocks waiting for a fence before reuse.",
                                 value=counts["pending"])
@@ -228,34 +241,77 @@ class _DaemonCollector(Collector):
         yield info
 
 
-async def serve_http(metrics: Metrics, host: str, port: int) -> asyncio.Server:
-    """A minimal HTTP/1.1 server for GET /metrics and /healthz on the event loop."""
+async def serve_http(metrics: Metrics, host: str, port: int, *, max_connections: int = 16,
+                     timeout: float = 5.0) -> asyncio.Server:
+    """A minimal HTTP/1.1 server for GET /metrics and /healthz on the event loop.
+
+    Bounded, so idle or half-sent requests cannot exhaust the daemon's fds: at most
+    ``max_connections`` are open at once (one more is closed at accept, and counted), and each
+    gets ``timeout`` seconds for its whole exchange (a byte every few seconds is cut off too).
+    """
+    open_now = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_now
+        if open_now >= max_connections:
+            metrics.http_refused += 1
+            writer.close()
+            return
+        open_now += 1
         try:
-            request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
-            method, path = (line + ["", ""])[:2]
-            if method not in ("GET", "HEAD"):
-                status, body, ctype = "405 Method Not Allowed", b"", "text/plain"
-            elif path.split("?")[0] == "/metrics":
-                status, body = "200 OK", metrics.render()
-                ctype = "text/plain; version=0.0.4; charset=utf-8"
-            elif path.split("?")[0] == "/healthz":
-                (status, body), ctype = metrics.health(), "text/plain"
-            else:
-                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-            writer.write(head + (body if method == "GET" else b""))
-            await writer.drain()
+            async with asyncio.timeout(timeout):
+                await exchange(reader, writer)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
                 ConnectionError):
             pass
         except Exception:  # pragma: no cover - a scrape must never take the daemon down
             log.exception("metrics request failed")
         finally:
+            open_now -= 1
             writer.close()
 
+    async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await reader.readuntil(b"\r\n\r\n")
+        line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
+        method, path = (line + ["", ""])[:2]
+        if method not in ("GET", "HEAD"):
+            status, body, ctype = "405 Method Not Allowed", b"", "text/plain"
+        elif path.split("?")[0] == "/metrics":
+            status, body = "200 OK", metrics.render()
+            ctype = "text/plain; version=0.0.4; charset=utf-8"
+        elif path.split("?")[0] == "/healthz":
+            (status, body), ctype = metrics.health(), "text/plain"
+        else:
+            status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
+        head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        writer.write(head + (body if method == "GET" else b""))
+        await writer.drain()
+
     return await asyncio.start_server(handle, host, port)
+
+
+def _durability(r: Recovery) -> Iterator[Metric]:
+    """The state directory's room and the journal's health (``blockd.runtime.recovery``)."""
+    free = r.free_bytes()
+    if free is not None:
+        yield GaugeMetricFamily("blockd_state_dir_free_bytes",
+                                "Bytes still free in state.dir (its file system).", value=free)
+    yield GaugeMetricFamily("blockd_state_dir_reserve_bytes",
+                            "Free bytes in state.dir below which new work is refused "
+                            "(state.reserve_bytes plus the last snapshot's size).",
+                            value=r.reserve)
+    yield CounterMetricFamily("blockd_state_dir_refusals",
+                              "Steps and attaches refused with RESOURCE_EXHAUSTED \"state dir "
+                              "full\".", value=r.space_refusals)
+    yield GaugeMetricFamily("blockd_journal_failed",
+                            "1 once a journal write failed: every call is refused until the "
+                            "daemon is restarted.", value=int(r.failed is not None))
+    damaged = CounterMetricFamily("blockd_journal_damaged",
+                                  "Damaged journals found when starting, by kind: torn (a final "
+                                  "record cut short, never acknowledged, dropped) or corrupt "
+                                  "(a new epoch was started).", labels=["kind"])
+    for kind in ("torn", "corrupt"):
+        damaged.add_metric([kind], r.journal_damage[kind])
+    yield damaged
 

@@ -24,6 +24,7 @@ from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.core.errors import BlockdError
+from blockd.runtime.budgets import OverBudget
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.tenants_file import Principal
 from blockd.server.metrics import Metrics
@@ -138,6 +139,10 @@ async def _abort(context: Any, exc: Exception, where: str) -> None:
     """End a streaming call with the status ``exc`` maps to (``_rpc``'s rule)."""
     if isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError)):
         raise exc
+    if isinstance(exc, OverBudget):
+        # The retry hint as metadata too, so a client need not parse the message.
+        await context.abort(grpc_status(exc), details(exc),
+                            (("retry-after-ms", str(exc.retry_after_ms)),))
     if isinstance(exc, BlockdError):
         await context.abort(grpc_status(exc), details(exc))
     log.exception("internal error", exc_info=exc, extra=logs.fields(rpc=where))

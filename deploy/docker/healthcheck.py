@@ -7,7 +7,9 @@ A draining daemon (after SIGTERM) answers NOT_SERVING, so it turns unhealthy on 
 The target is ``--address HOST:PORT`` or else ``server.tcp_address`` from the daemon's own
 configuration, resolved exactly as the daemon resolves it (``--config FILE`` plus the
 ``BLOCKD_<SECTION>_<FIELD>`` environment, via ``blockd.config.load``). A wildcard host
-(``0.0.0.0``, ``::``, empty) is probed on loopback.
+(``0.0.0.0``, ``::``, empty) is probed on loopback. TCP with TLS (``server.tls_cert``; blockd
+refuses plaintext TCP off loopback) is probed on ``server.unix_socket`` instead, the local,
+plaintext listener of the same server (the certificate need not name loopback).
 
 Kubernetes ignores Docker HEALTHCHECKs: the manifests in deploy/k8s use the kubelet's native
 ``grpc:`` probes against the same service instead.
@@ -39,6 +41,8 @@ def address_from_config(path: str | None) -> str:
     from blockd import config
 
     cfg = config.load(argparse.Namespace(config=path))
+    if cfg.server.tls_cert and cfg.server.unix_socket:
+        return f"unix:{cfg.server.unix_socket}"
     if not cfg.server.tcp_address:
         raise ValueError("server.tcp_address is empty: the daemon serves no TCP to probe")
     return probe_address(cfg.server.tcp_address)

@@ -81,7 +81,7 @@ def test_choose_victims_order_is_priority_then_lifo() -> None:
     hi = m.open_session("hi")
     ids = [ok(admit(m, lo, 2, token=t, priority=p)) for t, p in enumerate([1, 0, 1, 0, 2, 0])]
     # Needs every block of the pool but 2: all victims except one are needed.
-    victims = m.victims.choose(m.admission.fits, m.sessions[hi].tenant, (1, 0), 10, ())
+    victims = m.victims.choose(m.admission.fits, m.sessions[hi].tenant, (1, 0, 0), 10, ())
     assert [v.id for v in victims] == [ids[5], ids[3], ids[1], ids[2], ids[0]]
     assert len(m.sequences) == 6  # choosing changes nothing
 
@@ -149,7 +149,7 @@ def test_blocks_shared_with_a_survivor_are_not_counted() -> None:
     # holds each of its blocks: nothing happens.
     assert isinstance(out, DoesNotFit) and out.reason == "pool"
     assert snapshot(m) == before
-    assert m.victims.choose(m.admission.fits, 0, (0, 3), 2, ()) == []
+    assert m.victims.choose(m.admission.fits, 0, (0, 3, 3), 2, ()) == []
 
 
 def test_fork_siblings_that_are_both_victims_free_their_shared_blocks() -> None:
@@ -178,9 +178,9 @@ def test_an_admits_own_prefix_hits_are_not_counted_as_freed() -> None:
     m.check_invariants()
     # The hi admit hits the 4 full blocks of low and needs 1 more: preempting low frees only
     # its last block (the hits are not freed: the admit takes them), which is enough.
-    chosen = m.victims.choose(m.admission.fits, 1, (1, 0), 1, low.block_table[:4])
+    chosen = m.victims.choose(m.admission.fits, 1, (1, 0, 0), 1, low.block_table[:4])
     assert [v.id for v in chosen] == [low.seq_id]
-    assert m.victims.choose(m.admission.fits, 1, (1, 0), 2, low.block_table[:4]) == []
+    assert m.victims.choose(m.admission.fits, 1, (1, 0, 0), 2, low.block_table[:4]) == []
     out = m.admit(hi, SCOPE, prompt + [7])
     m.check_invariants()
     assert isinstance(out, AdmitResult)
@@ -419,12 +419,13 @@ def test_random_workloads_keep_invariants_and_never_starve(ops: list[tuple]) -> 
     for s, f in zip(sessions, fences, strict=True):
         m.complete_fence(s, f)
     m.check_invariants()
-    top = (TENANTS[1].priority, 10)
     sid = sessions[1]
+    me = m.sessions[sid].tenant
+    top = m.victims.requester(me, 10)  # (1, 0, 10): the request priority counts as its cap, 0
     for need in range(1, 8):
-        lower = [q for q in m.sequences.values() if m.victims.priority_of(q) < top]
+        lower = [q for q in m.sequences.values() if m.victims.below(q, me, top)]
         freeable = sorted({blk for q in lower for blk in q.table
-                           if all(m.victims.priority_of(o) < top
+                           if all(m.victims.below(o, me, top)
                                   for o in m.sequences.values() if blk in o.table)})
         freed = [0] * len(m.blocks.usage)
         for blk in freeable:
@@ -438,13 +439,18 @@ def test_random_workloads_keep_invariants_and_never_starve(ops: list[tuple]) -> 
         out = m.admit(sid, pre_scope(3), [5000 + i for i in range(need * B)], priority=10,
                       cache=False)
         m.check_invariants()
-        if fits:
+        # Victims that would take t2 below its guarantee are never chosen (order-dependent):
+        # the model only judges requests that need none of t2's blocks.
+        if fits and all(m.blocks.owner[blk] != 2 for blk in freeable):
             assert isinstance(out, AdmitResult), (need, out)
             m.release(sid, out.seq_id)
             m.complete_fence(sid, m.sessions[sid].issued)
-        else:
+        elif not fits:
             assert isinstance(out, DoesNotFit) and out.reason != "preempting"
             assert snapshot(m) == before
+        elif isinstance(out, AdmitResult):
+            m.release(sid, out.seq_id)
+            m.complete_fence(sid, m.sessions[sid].issued)
         m.check_invariants()
 
 

@@ -296,14 +296,16 @@ def test_blockd_is_a_native_sidecar_gating_the_worker(rendered: dict[str, Docs],
     assert blockd["restartPolicy"] == "Always"
     assert len(spec["initContainers"]) == 1  # nothing else runs before blockd is up
     grpc_port = int(cfg.server.tcp_address.rpartition(":")[2])
-    assert cfg.server.tcp_address.startswith("0.0.0.0:"), "kubelet probes dial the Pod IP"
     ports = {p["name"]: p["containerPort"] for p in blockd["ports"]}
     assert ports["grpc"] == grpc_port
-    assert ports["metrics"] == int(cfg.metrics.address.rpartition(":")[2])
+    metrics_port = int(cfg.metrics.address.rpartition(":")[2])
+    assert ports["metrics"] == metrics_port
+    # The kubelet's grpc: probes speak no TLS, and gRPC on the Pod IP is TLS: the probes ask
+    # /healthz on the metrics port (the Pod IP: 0.0.0.0), opened once gRPC serves, 503 on drain.
+    assert cfg.metrics.address.startswith("0.0.0.0:"), "kubelet probes dial the Pod IP"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert blockd[probe]["grpc"]["port"] == grpc_port, probe
-        assert "exec" not in blockd[probe] and "httpGet" not in blockd[probe]
-    assert blockd["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+        assert blockd[probe]["httpGet"] == {"path": "/healthz", "port": metrics_port}, probe
+        assert "exec" not in blockd[probe] and "grpc" not in blockd[probe]
     startup = blockd["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
     # Config and credentials are where the daemon's config says.
@@ -437,6 +439,61 @@ def test_cpu_overlay_has_no_gpu(rendered: dict[str, Docs]) -> None:
         assert all("NVIDIA" not in e["name"] for c in spec["containers"]
                    for e in c.get("env", []))
         assert by_kind(rendered[name], "Deployment")
+
+
+TLS_SECRET = "blockd-tls"
+
+
+@pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
+def test_grpc_off_loopback_is_tls_from_a_secret_the_operator_creates(
+        rendered: dict[str, Docs], name: str, tmp_path: Path) -> None:
+    """blockd refuses plaintext TCP off loopback: the manifests' 0.0.0.0 listener has a
+    certificate and key from the kubernetes.io/tls Secret blockd-tls, mounted read-only into
+    blockd only, never rendered from git (no private key is committed)."""
+    spec = pod_spec(rendered[name])
+    _, cfg = blockd_yaml(rendered[name], tmp_path)
+    assert cfg.server.tcp_address.startswith("0.0.0.0:")
+    blockd = container(spec, "blockd", init=True)
+    worker = container(spec, "worker", init=False)
+    volume = {v["name"]: v for v in spec["volumes"]}["blockd-tls"]
+    assert volume["secret"]["secretName"] == TLS_SECRET
+    mode = volume["secret"]["defaultMode"]
+    assert not mode & 0o227, oct(mode)  # writable by nobody, not world-readable
+    mount = [m for m in blockd["volumeMounts"] if m["name"] == "blockd-tls"]
+    assert len(mount) == 1 and mount[0].get("readOnly") is True
+    for path in (cfg.server.tls_cert, cfg.server.tls_key):
+        assert str(Path(path).parent) == mount[0]["mountPath"], path
+    assert {Path(cfg.server.tls_cert).name, Path(cfg.server.tls_key).name} == {"tls.crt",
+                                                                              "tls.key"}
+    assert "blockd-tls" not in mounts(worker), "the worker uses the Unix socket"
+    assert ("Secret", TLS_SECRET) not in {(d["kind"], d["metadata"]["name"])
+                                          for d in rendered[name]}
+    assert cfg.server.socket_mode == "0660"  # the worker reaches the sockets by its group
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A throwaway certificate and key for 127.0.0.1 (the Secret blockd-tls in a real Pod)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "blockd-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    crt, pem_key = directory / "tls.crt", directory / "tls.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem_key.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    pem_key.chmod(0o600)
+    return crt, pem_key
 
 
 # -- the worker: its token file and its probes -----------------------------------------------
@@ -674,7 +731,9 @@ def boot(docs: Docs, tmp_path: Path, tenants: bytes | None = None) -> Iterator[B
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKD_")}
+    crt, key = self_signed(tmp_path)
     env.update({
+        "BLOCKD_SERVER_TLS_CERT": str(crt), "BLOCKD_SERVER_TLS_KEY": str(key),
         "BLOCKD_SERVER_UNIX_SOCKET": str(tmp_path / "blockd.sock"),
         "BLOCKD_SERVER_HANDLE_SOCKET": str(tmp_path / "blockd-pool.sock"),
         "BLOCKD_SERVER_TCP_ADDRESS": f"127.0.0.1:{port}",
@@ -721,8 +780,8 @@ def test_rendered_config_and_tenants_boot_a_real_daemon(rendered: dict[str, Docs
              "--config", str(d.config)], env=d.env, capture_output=True, text=True, timeout=30,
             check=False)
         assert health.returncode == 0, health.stdout + health.stderr
-        tcp = d.env["BLOCKD_SERVER_TCP_ADDRESS"]
-        assert f"{tcp}: SERVING" in health.stdout
+        # TCP is TLS (the manifests' tls_cert): the check asks the same server on its Unix socket.
+        assert f"unix:{d.endpoints['unix']}: SERVING" in health.stdout
 
 
 def known_worker_token(docs: Docs) -> bytes:

@@ -76,9 +76,10 @@ def test_grafana_substitution_gives_plain_promql() -> None:
 @pytest.fixture(scope="module")
 def with_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon with KV events on: the dashboard's KV-event panels query its publisher metrics."""
-    d = start(tmp_path_factory.mktemp("blockd-events"),
-              extra={"events": {"zmq_endpoint": "tcp://127.0.0.1:*",
-                                "topic": "kv@metrics-test@tiny"}})
+    work = tmp_path_factory.mktemp("blockd-events")
+    d = start(work, extra={"events": {"zmq_endpoint": "tcp://127.0.0.1:*",
+                                      "topic": "kv@metrics-test@tiny"},
+                           "state": {"dir": str(work / "state")}})  # the durability gauges
     yield d
     d.stop()
 

@@ -26,6 +26,8 @@ REQUIRED_ALERTS = {
     "BlockdPendingFenceStuck": ("blockd_oldest_pending_fence_age_seconds",),
     "BlockdTenantAtQuota": ("blockd_tenant_used_blocks", "blockd_tenant_quota_blocks"),
     "BlockdInvariantViolated": ("blockd_invariant_violations_total",),
+    "BlockdStateDirLow": ("blockd_state_dir_free_bytes", "blockd_state_dir_reserve_bytes"),
+    "BlockdJournalUnwritable": ("blockd_journal_failed",),
 }
 #: recording rule -> metrics it is computed from (hit rate and usage, the issue's list).
 REQUIRED_RECORDS = {

@@ -66,16 +66,23 @@ def run_engine(d: Daemon, tenant: str, model: TinyLlama, requests: Iterable[Requ
                ) -> tuple[Engine, list[RequestState], Any]:
     """Attach, run ``requests`` to completion, read the daemon's Stats, detach.
 
-    Returns (engine, request states, Stats). Detaching matters: a daemon stopping with
-    sessions attached waits its drain grace period for them."""
+    Returns (engine, request states, Stats as an admin sees them: a tenant's own credential
+    gets no pool-wide counters). Detaching matters: a daemon stopping with sessions attached
+    waits its drain grace period for them."""
     with client(d, tenant) as c:
         e = engine(c, tenant, model, **config)
         e.on_step = on_step
         try:
             states = e.run(requests)
-            return e, states, c.stats()
+            return e, states, admin_stats(d)
         finally:
             e.close()
+
+
+def admin_stats(d: Daemon) -> Any:
+    """The daemon's pool-wide Stats (the admin credential of tests/server/daemon_proc.py)."""
+    with Client(f"unix:{d.endpoints['unix']}", token=TOKENS["admin"]) as admin:
+        return admin.stats()
 
 
 def shared_prompt_workload(seed: int = 0, num_requests: int = 10, *, forks: bool = True,

@@ -120,9 +120,10 @@ def test_scrub_a_block_reused_across_tenants_reads_zero(daemon) -> None:  # type
 
 
 def test_killed_worker_is_reaped_and_the_other_goes_on(daemon) -> None:  # type: ignore[no-untyped-def]
-    with client(daemon, "bob") as cb:
+    # Alice's sessions are not bob's to count (Stats per tenant): an admin observes.
+    with client(daemon, "bob") as cb, client(daemon, "admin") as observer:
         b = cb.attach("globex", LAYOUT)
-        before = cb.stats()
+        before = observer.stats()
         args = {"target": f"unix:{daemon.endpoints['unix']}", "token": TOKENS["alice"],
                 "tenant": "acme", "layout": LAYOUT_ARGS, "tokens": list(range(500, 520)),
                 "lease_ms": 400}
@@ -131,15 +132,15 @@ def test_killed_worker_is_reaped_and_the_other_goes_on(daemon) -> None:  # type:
         assert proc.stdout is not None
         held = json.loads(proc.stdout.readline())
         assert len(held["table"]) == 5
-        assert cb.stats().num_sessions == before.num_sessions + 1
+        assert observer.stats().num_sessions == before.num_sessions + 1
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         out = b.step([rq.admit([9, 9, 9], NS)])  # unaffected meanwhile
         assert out.results[0].status.code == 0
         deadline = time.monotonic() + 5
-        while cb.stats().num_sessions > before.num_sessions + 0 and time.monotonic() < deadline:
+        while observer.stats().num_sessions > before.num_sessions and time.monotonic() < deadline:
             time.sleep(0.05)
-        after = cb.stats()
+        after = observer.stats()
         assert after.num_sessions == before.num_sessions
         # Everything the killed worker held is back; b holds the one block it admitted.
         reusable = after.blocks_free + after.blocks_cached

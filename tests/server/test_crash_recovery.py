@@ -29,6 +29,7 @@ from daemon_proc import TOKENS, Daemon, md, start
 import blockd_client.requests as rq
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.runtime import journal
+from blockd.runtime.recovery import SNAPSHOT_VERSION
 from blockd.runtime.state_store import MAGIC
 from blockd_apps.launch import spawn
 from blockd_client import Client
@@ -354,7 +355,7 @@ def test_a_snapshot_of_the_previous_layout_starts_a_new_epoch(tmp_path: Path, sn
         assert s.epoch == session.epoch and s.num_sequences == 1 and s.num_sessions == 1
         # The new epoch's own snapshot is of the current format.
         fresh = pickle.loads((state / "snapshot").read_bytes()[len(MAGIC):])  # noqa: S301
-        assert fresh["version"] == 2 and fresh["epoch"] == session.epoch
+        assert fresh["version"] == SNAPSHOT_VERSION and fresh["epoch"] == session.epoch
         session.detach()
         client.close()
     finally:

@@ -84,3 +84,67 @@ def test_snapshots_replace_atomically_and_wipe_keeps_the_pool(tmp_path: Path) ->
     (tmp_path / "state" / "snapshot").write_bytes(b"not a snapshot")
     with pytest.raises(ValueError, match="not a blockd snapshot"):
         store.read_snapshot()
+
+
+def test_a_damaged_length_is_corrupt_not_torn(tmp_path: Path) -> None:
+    """A flipped length byte in the middle would otherwise read as a torn tail (the record
+    seems to run past the end) and silently drop acknowledged records."""
+    path = tmp_path / "journal.1"
+    j = journal.Journal(str(path))
+    for i in range(3):
+        j.append(["fence", "s", i])
+    first = os.path.getsize(path) // 3  # three records of one size
+    j.close()
+    data = bytearray(path.read_bytes())
+    data[first + 1] ^= 0x40  # the second record's length
+    path.write_bytes(bytes(data))
+    found = journal.scan(str(path))
+    assert found.records == [["fence", "s", 0]]
+    assert found.damage is not None and found.damage.kind == "corrupt"
+    assert found.damage.offset == first and found.damage.bytes_lost == len(data) - first
+
+
+def test_a_corrupt_payload_names_what_was_lost_after_it(tmp_path: Path) -> None:
+    path = tmp_path / "journal.1"
+    j = journal.Journal(str(path))
+    j.append(["attach", "s", "acme", "a", "w", 1000])
+    mark = j.size
+    j.append(["step", "s", b"x" * 20, [], []])
+    j.append(["step", "s", b"y" * 20, [], []])
+    j.append(["fence", "s", 2])
+    j.close()
+    data = bytearray(path.read_bytes())
+    data[mark + journal.OVERHEAD + 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    found = journal.scan(str(path))
+    assert len(found.records) == 1 and found.damage is not None
+    assert found.damage.kind == "corrupt"
+    assert dict(found.damage.lost_kinds) == {"step": 1, "fence": 1}
+    assert "1 fence, 1 step" in found.damage.describe()
+
+
+def test_a_failed_write_leaves_no_torn_record(tmp_path: Path) -> None:
+    """ENOSPC/EFBIG in the middle of a record: the file is cut back, so the next record (after
+    the daemon's restart) never follows garbage."""
+    import resource
+    import subprocess
+    import sys
+
+    path = tmp_path / "journal.1"
+    code = (
+        "import resource, sys\n"
+        "from blockd.runtime import journal\n"
+        "j = journal.Journal(sys.argv[1])\n"
+        "j.append(['fence', 's', 1])\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (j.size + 20, j.size + 20))\n"
+        "try:\n"
+        "    j.append(['step', 's', b'x' * 100, [], []])\n"
+        "except OSError as e:\n"
+        "    print(e.errno)\n"
+    )
+    del resource
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "27"  # EFBIG
+    found = journal.scan(str(path))
+    assert found.records == [["fence", "s", 1]] and found.damage is None
