@@ -95,3 +95,14 @@ def no_daemon_outlives_the_session() -> Iterator[None]:
     lines = "\n".join(f"  pid {p.pid}: {' '.join(argv)}" for p, argv in leaked)
     pytest.fail(f"{len(leaked)} daemon(s) outlived the test session (now killed); every test "
                 f"and fixture must stop the daemons it starts:\n{lines}", pytrace=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test named ``test_gpu_*`` carries the ``gpu`` marker, so that ``pytest -m gpu``
+    (scripts/gpu_check.sh) selects every device test and none runs unmarked on a GPU-less CI."""
+    unmarked = [item.nodeid for item in items
+                if item.name.startswith("test_gpu_") and item.get_closest_marker("gpu") is None]
+    if unmarked:
+        raise pytest.UsageError("tests named test_gpu_* without the gpu marker: "
+                                + ", ".join(unmarked))
+

@@ -851,13 +851,3 @@ def test_gpu_tensor_parallel_shards_share_block_ids() -> None:
     finally:
         page.close()
         pool.close()
-
-
-def test_gpu_tests_are_marked() -> None:
-    """Every test that needs the device carries the gpu marker (so ``-m gpu`` selects them)."""
-    module = sys.modules[__name__]
-    for name in dir(module):
-        if name.startswith("test_gpu_") and name != "test_gpu_tests_are_marked":
-            marks = {m.name for m in getattr(getattr(module, name), "pytestmark", [])}
-            assert "gpu" in marks, name
-

@@ -433,13 +433,3 @@ def test_gpu_host_function_fallback_on_the_real_driver() -> None:
         pub.close()
         worker_map.close()
         page.close()
-
-
-def test_gpu_tests_are_marked() -> None:
-    import sys
-
-    module = sys.modules[__name__]
-    for name in dir(module):
-        if name.startswith("test_gpu_") and name != "test_gpu_tests_are_marked":
-            marks = {m.name for m in getattr(getattr(module, name), "pytestmark", [])}
-            assert "gpu" in marks, name
