@@ -412,7 +412,7 @@ def gpu_requests(c: dict[str, Any]) -> int:
     return limits
 
 
-def test_gpu_overlay_shares_one_gpu_by_fd(rendered: dict[str, Docs]) -> None:
+def test_the_gpu_overlay_shares_one_gpu_by_fd(rendered: dict[str, Docs]) -> None:
     spec = pod_spec(rendered["gpu"])
     blockd = container(spec, "blockd", init=True)
     worker = container(spec, "worker", init=False)
