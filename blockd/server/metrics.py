@@ -172,6 +172,13 @@ class _DaemonCollector(Collector):
         for u in usage:
             preempted.add_metric([u.tenant_id], u.preemptions)
         yield preempted
+        rate = CounterMetricFamily(
+            "blockd_rate_limited",
+            "Calls refused because the tenant's work budget was spent (reason 'rate').",
+            labels=["tenant"])
+        for u in usage:
+            rate.add_metric([u.tenant_id], d.budgets.refused.get(u.tenant_id, 0))
+        yield rate
         errs = CounterMetricFamily("blockd_operation_errors",
                                    "Step operations that failed, by status.", labels=["code"])
         for code, n in sorted(d.op_errors.items()):

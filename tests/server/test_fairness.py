@@ -116,6 +116,8 @@ def test_tenant_over_its_budget_is_refused_while_another_is_served(budgeted) -> 
     resp = b.stub.Step(step, metadata=md("bob"))
     assert [r.status.code for r in resp.results] == [0] * 4
     assert len(usage(a, "globex")) == len(before) + 4
+    assert budgeted.metric('blockd_rate_limited_total{tenant="globex"}') >= 2
+    assert budgeted.metric('blockd_rate_limited_total{tenant="acme"}') == 0
 
 
 def test_a_daemon_stall_reaps_no_worker_that_kept_heartbeating(tmp_path) -> None:  # type: ignore[no-untyped-def]
