@@ -2,7 +2,7 @@
 
 The daemon serves every tenant from one single-threaded event loop, so the loop's time is the
 resource a tenant can exhaust for all of them. Each call is priced in *work units* before it is
-applied (``blockd.runtime.step.work_units``: about one unit per token id hashed or stored and a
+applied (``blockd.runtime.step.tally``: about one unit per token id hashed or stored and a
 fixed price per operation, so a unit is roughly a tenth of a microsecond of loop time), and
 each tenant draws them from its own token bucket: ``tenants.work_units_per_second`` refill it,
 up to ``tenants.work_units_burst``. A call the bucket cannot pay for is refused before anything

@@ -315,13 +315,13 @@ class Daemon:
         recovery = self.recovery
         if recovery.failed is not None:
             recovery.require_space(0)  # UNAVAILABLE: a retry never gets an unjournalled answer
-        retry = step.check(info, req, self.limits, self.spec.block_size,
-                           m.session_view(info.id))
-        if retry is not None:
-            return retry
+        checked = step.check(info, req, self.limits, self.spec.block_size,
+                             m.session_view(info.id))
+        if isinstance(checked, pb.StepResponse):
+            return checked  # a retry: its earlier answer
         recovery.require_space(req.ByteSize() + 64 * len(req.operations))
         self.sessions.renew(info)  # a live worker, even if its Step is refused for rate
-        self.budgets.charge(info.tenant_id, step.work_units(req))
+        self.budgets.charge(info.tenant_id, checked.units)
         self.sessions.poll_fence(info)
         self.ids.take_minted()  # whatever an earlier failed Step left
         resp = step.apply_step(m, self.sessions, info, req, epoch=self.epoch,

@@ -1,7 +1,7 @@
 """One Step: validated against the per-request limits, then applied operation by operation.
 
 ``check`` runs before anything is applied: the step id (a retry is answered from the session's
-last answer, not reapplied), the operation count, the Step's work (``work_units``, bounded by
+last answer, not reapplied), the operation count, the Step's work (``tally``, bounded by
 ``server.max_work_per_call`` so that no call holds the shared event loop for long) and a bound
 of the answer's size (an answer that cannot be sent would leave the worker with a Step applied
 that it never learns about).
@@ -43,11 +43,11 @@ class StepLimits:
     max_operations_per_step: int
     max_tokens_per_operation: int
     max_message_bytes: int
-    #: ``server.max_work_per_call``: the most work units (``work_units``) one call may cost.
+    #: ``server.max_work_per_call``: the most work units (``tally``) one call may cost.
     max_work_per_call: int = 1 << 17
 
 
-#: Work units (``work_units``): one per token id hashed or stored, and these per operation,
+#: Work units (``tally``): one per token id hashed or stored, and these per operation,
 #: per batch entry and per forked child. Measured on the daemon's own code: a unit is about a
 #: tenth of a microsecond of loop time (an admit ~25 us, an append or release ~4-8 us, a batch
 #: entry ~0.6 us, a token id ~0.1 us), so ``server.max_work_per_call`` bounds how long one call
@@ -58,23 +58,52 @@ ENTRY_UNITS = 8
 ATTACH_UNITS = 1024
 
 
-def work_units(req: pb.StepRequest) -> int:
-    """What a Step costs, from counts alone (nothing is parsed or applied)."""
-    units = 0
+@dataclass(frozen=True, slots=True)
+class Tally:
+    """A Step's counts, read once from the request (nothing parsed or applied): what it costs
+    in work units, and what its answer can hold (``answer_bound``)."""
+
+    #: Work units (``tally``): the budget and the per-call bound charge these.
+    units: int
+    #: Batch entries and fork children: each adds a status or a result to the answer.
+    entries: int
+    #: Block ids the answer can list.
+    blocks: int
+    #: Bytes of request ids the answer echoes.
+    echoed: int
+
+
+def tally(req: pb.StepRequest, block_size: int) -> Tally:
+    """One pass over the operations: 1 unit per token id, ``ADMIT_UNITS`` per admit,
+    ``OP_UNITS`` per other operation or forked child, ``ENTRY_UNITS`` per batch entry; and per
+    admit or append the blocks it can hand out (twice: a table and ``scrubbed_blocks``)."""
+    B = block_size
+    units = entries = blocks = echoed = 0
     for op in req.operations:
         kind = op.WhichOneof("op")
         if kind == "admit":
-            units += ADMIT_UNITS + len(op.admit.token_ids)
+            n = len(op.admit.token_ids)
+            units += ADMIT_UNITS + n
+            blocks += n // B + 1
+            echoed += len(op.admit.request_id) * 4  # UTF-8 of a str: at most 4 bytes each
         elif kind == "append":
-            units += OP_UNITS + len(op.append.token_ids)
+            n = len(op.append.token_ids)
+            units += OP_UNITS + n
+            blocks += n // B + 2
         elif kind == "append_batch":
-            b = op.append_batch
-            units += OP_UNITS + ENTRY_UNITS * len(b.sequence_ids) + len(b.token_ids)
+            batch = op.append_batch
+            k = len(batch.sequence_ids)
+            n = len(batch.token_ids)
+            units += OP_UNITS + ENTRY_UNITS * k + n
+            entries += k
+            blocks += n // B + 2 * k
         elif kind == "fork":
-            units += OP_UNITS * (1 + max(0, min(op.fork.num_children, 64)))
+            children = max(0, min(op.fork.num_children, 64))
+            units += OP_UNITS * (1 + children)
+            entries += children
         else:
             units += OP_UNITS
-    return units
+    return Tally(units, entries, blocks, echoed)
 
 
 def check_work(limits: StepLimits, units: int, what: str, field: str) -> None:
@@ -94,8 +123,9 @@ def check_tokens(limits: StepLimits | None, tokens: Any, field: str) -> Any:
 
 
 def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size: int,
-          view: SessionView) -> pb.StepResponse | None:
-    """Validate a Step before anything is applied; a retry's earlier answer, else None."""
+          view: SessionView) -> pb.StepResponse | Tally:
+    """Validate a Step before anything is applied: a retry's earlier answer, else the Step's
+    ``Tally`` (what the caller charges to the tenant's budget)."""
     if req.step_id == 0:
         raise InvalidArgument("step_id must be >= 1", field="step_id")
     if req.step_id == info.last_step_id and info.last_response is not None:
@@ -107,18 +137,19 @@ def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size
     limit = limits.max_operations_per_step
     if len(req.operations) > limit:
         raise InvalidArgument(f"more than {limit} operations", field="operations")
-    check_work(limits, work_units(req), "Step", "operations")
-    bound = answer_bound(req, block_size, view)
+    counts = tally(req, block_size)
+    check_work(limits, counts.units, "Step", "operations")
+    bound = answer_bound(counts, len(req.operations), view)
     if bound > limits.max_message_bytes:
         raise ResourceExhausted(
             f"the answer could reach {bound} bytes, over max_message_bytes "
             f"({limits.max_message_bytes}): split the Step", reason="message",
             field="operations")
-    return None
+    return counts
 
 
-def answer_bound(req: pb.StepRequest, block_size: int, view: SessionView) -> int:
-    """A cheap upper bound of a Step's answer size, from counts alone (no op is applied).
+def answer_bound(counts: Tally, num_operations: int, view: SessionView) -> int:
+    """A cheap upper bound of a Step's answer size, from its ``Tally`` (no op is applied).
 
     Per operation or batch entry at most ~120 bytes of status or result (ids, counts, an
     error field path), plus 10 bytes per block an admit or append can hand out (its id in
@@ -126,25 +157,9 @@ def answer_bound(req: pb.StepRequest, block_size: int, view: SessionView) -> int
     plus every preemption notice the answer can carry: those pending for the session and one
     per sequence of the session (the step's own admits may preempt any of them).
     """
-    B = block_size
-    entries = 0
-    blocks = 0
-    echoed = 0
-    for op in req.operations:
-        kind = op.WhichOneof("op")
-        if kind == "admit":
-            blocks += len(op.admit.token_ids) // B + 1
-            echoed += len(op.admit.request_id) * 4  # UTF-8 of a str: at most 4 bytes each
-        elif kind == "append":
-            blocks += len(op.append.token_ids) // B + 2
-        elif kind == "append_batch":
-            n = len(op.append_batch.sequence_ids)
-            entries += n
-            blocks += len(op.append_batch.token_ids) // B + 2 * n
-        elif kind == "fork":
-            entries += min(op.fork.num_children, 64)
     notices = PREEMPTED_NOTICE_BYTES * (view.num_unreported_preemptions + view.num_sequences)
-    return 256 + 120 * (len(req.operations) + entries) + 10 * blocks + echoed + notices
+    return (256 + 120 * (num_operations + counts.entries) + 10 * counts.blocks + counts.echoed
+            + notices)
 
 
 def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.StepRequest, *,
