@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/load_run.py --journal
 	$(PY) bench/cpu_paged_vs_sdpa.py
 	$(PY) bench/fairness.py
+	$(PY) bench/isolation.py
 
 proto: $(STAMP)
 	$(PY) tools/gen_proto.py

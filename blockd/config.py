@@ -24,6 +24,7 @@ from typing import Any
 from blockd import options, wire
 from blockd.core.errors import InvalidArgument
 from blockd.core.spec import PoolSpec
+from blockd.handles_config import HandlesConfig
 from blockd.options import Setting, option
 
 ENV_PREFIX = "BLOCKD_"
@@ -32,8 +33,7 @@ ENV_PREFIX = "BLOCKD_"
 CLIENT_ENV = ("BLOCKD_TARGET", "BLOCKD_TOKEN", "BLOCKD_TOKEN_FILE", "BLOCKD_HANDLE_SOCKET")
 #: The longest Unix socket path the kernel takes (``sun_path`` is 108 bytes, NUL included).
 MAX_UNIX_PATH = 107
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LOG_FORMATS = ("kv", "json")
+LOG_LEVELS, LOG_FORMATS = ("DEBUG", "INFO", "WARNING", "ERROR"), ("kv", "json")
 
 
 # -- the default socket paths (shared with blockctl) ------------------------------------------
@@ -446,6 +446,7 @@ class Config:
     events: EventsConfig = field(default_factory=EventsConfig)
     state: StateConfig = field(default_factory=StateConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    handles: HandlesConfig = field(default_factory=HandlesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

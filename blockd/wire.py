@@ -39,7 +39,8 @@ __all__ = [
     "HandleRefused", "KV_ORDER", "KV_ORDERS", "KV_ORDER_ALIASES", "MAX_ANSWER_BYTES",
     "MAX_BLOCK_SIZE", "MAX_FDS", "MAX_NUM_BLOCKS", "MAX_REQUEST_BYTES", "REFUSED_DTYPES",
     "Shape", "WireError", "block_bytes", "canonical_dtype", "canonical_kv_order",
-    "check_block_size", "check_count", "decode_answer", "decode_request", "dtype_from_proto",
+    "MAX_REQUEST_DEPTH", "check_block_size", "check_count", "decode_answer",
+    "decode_handle_request", "decode_request", "dtype_from_proto",
     "dtype_to_proto", "encode_refusal", "encode_request", "kv_order_from_proto",
     "kv_order_to_proto", "medium_of", "pool_bytes", "read_fence", "run_bytes", "token_bytes",
     "write_fence",
@@ -246,8 +247,25 @@ def write_fence(page: Any, fence: int) -> None:
 #
 # fd order, host: [pool fd, fence page fd]; cuda: [shard 0 fd, ..., shard tp_size-1 fd (device
 # order), fence page fd]. ``HandleHeader.split_fds`` is that order as code.
+#
+# The request may name the session's tenant ({"session_id": ..., "tenant_id": ...}); the daemon
+# then refuses (PERMISSION_DENIED) a session of another tenant. It answers only a peer whose
+# SO_PEERCRED uid or gid the configuration allows (``handles.allowed_uids``/``allowed_gids``,
+# default the daemon's own uid), and refuses unparsed a request over MAX_REQUEST_BYTES or
+# nested deeper than MAX_REQUEST_DEPTH.
+#
+# Block ids (the rule every answer follows). The pool fds a session receives are those of the
+# partition its tenant's blocks live in (the shared region, or the tenant's or its group's
+# dedicated partition; ``blockd.runtime.partitions``), and ``num_blocks`` in the header and in
+# AttachResponse.pool is that partition's. Every block id the session receives (Step results,
+# copy ops, scrubbed blocks, block tables, Inspect) is partition-local: it indexes the one pool
+# tensor ``[num_layers, 2, num_blocks, ...]`` of that mapping. A worker never holds a mapping,
+# or an id, of another partition.
 
 MAX_REQUEST_BYTES = 4096
+#: Most nesting of brackets in a request (the request is one flat object): a deeper one is
+#: refused before it is parsed, so no input can make the parser recurse.
+MAX_REQUEST_DEPTH = 4
 MAX_ANSWER_BYTES = 65536
 #: At most 64 tensor-parallel shards plus the fence page.
 MAX_FDS = 65
@@ -262,8 +280,21 @@ class HandleRefused(ConnectionError):
         self.message = message
 
 
-def encode_request(session_id: str) -> bytes:
-    return json.dumps({"session_id": session_id}).encode() + b"\n"
+def encode_request(session_id: str, tenant_id: str = "") -> bytes:
+    """The request line; ``tenant_id`` (optional) must then be the session's tenant."""
+    obj = {"session_id": session_id, **({"tenant_id": tenant_id} if tenant_id else {})}
+    return json.dumps(obj).encode() + b"\n"
+
+
+def decode_handle_request(data: bytes) -> tuple[str, str]:
+    """(session id, tenant id or "") of a request line; WireError naming the key otherwise.
+    The server refuses a line over ``MAX_REQUEST_BYTES`` or nested deeper than
+    ``MAX_REQUEST_DEPTH`` before it gets here (``blockd.pools.handles``)."""
+    session_id = decode_request(data)
+    tenant_id = json.loads(data).get("tenant_id", "")
+    if not isinstance(tenant_id, str):
+        raise WireError("tenant_id", f"expected a string, got {type(tenant_id).__name__}")
+    return session_id, tenant_id
 
 
 def decode_request(data: bytes) -> str:
@@ -271,7 +302,7 @@ def decode_request(data: bytes) -> str:
     try:
         obj = json.loads(data)
         session_id = obj["session_id"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise WireError("session_id", 'expected {"session_id": ...}') from None
     if not isinstance(session_id, str):
         raise WireError("session_id", f"expected a string, got {type(session_id).__name__}")

@@ -8,7 +8,8 @@
 #   4. `pytest -m gpu tests`: every gpu-marked test (the CUDA pool in tests/pools, the
 #      stream-ordered fences in tests/pools/test_stream_fence.py, the kernels in tests/gpu), with
 #      a JUnit report, and one summary line for the stream fences;
-#   5. bench/gpu_decode.py, when it exists.
+#   5. the tenant-isolation suite (tests/security: dedicated partitions, the handle socket);
+#   6. bench/gpu_decode.py, when it exists.
 #
 # Outputs (logs, junit xml, benchmark json, a summary) go to ${OUT:-bench/results}.
 # Each step runs under `timeout`; override with STEP_TIMEOUT_<NAME> (seconds), e.g.
@@ -92,6 +93,15 @@ print(f"{state} stream_fence ({len(cases)} gpu tests: {len(cases) - bad - skip} 
       f"{bad} failed, {skip} skipped)")
 EOF
 fi
+
+# -- tenant isolation (issue 14) ---------------------------------------------------------------
+# Dedicated partitions on the cuda pool (tests/security/test_gpu_partitions.py: its own VMM
+# allocation and fd, none of its bytes in the shared region's) ran inside the pytest step
+# above; here the whole isolation suite runs again on this machine (the hostile scan from
+# another uid, the handle socket's peer check and bounds, recovery inside a partition), a
+# CPU-side check that takes about a minute.
+run_step isolation 300 "$PY" -m pytest -q -rs tests/security \
+    --junitxml="$OUT_DIR/isolation_tests.xml"
 
 if [[ -f bench/gpu_decode.py ]]; then
     run_step gpu_decode 600 env PYTHONPATH=gpu "$PY" bench/gpu_decode.py \

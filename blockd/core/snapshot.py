@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 #: Bumped whenever the pickled layout changes (module paths, room classes, fields). A reader
 #: that finds another version must not unpickle it: the runtime starts a new epoch instead.
-FORMAT_VERSION = 3
+#: 4: TenantPolicy.isolation (issue 14).
+FORMAT_VERSION = 4
 
 
 def dump(manager: BlockManager) -> bytes:

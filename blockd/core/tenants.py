@@ -1,4 +1,5 @@
-"""Tenant policy: quota, guaranteed blocks, priority, sharing domain, scrub-on-reuse, limits.
+"""Tenant policy: quota, guaranteed blocks, priority, sharing domain, scrub-on-reuse, limits,
+isolation (the shared region or a dedicated partition, ``partition_layout``).
 
 Policies come from the daemon's tenants file (server side). A client names the tenant it acts
 for; the server checks the credential and the *server* derives the sharing domain from the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from blockd.core.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -48,6 +50,22 @@ DEFAULT_SEQUENCE_METADATA_BYTES = 256 * 2**20
 def sequence_bytes(num_blocks: int, block_size: int) -> int:
     """The documented metadata cost of a sequence with ``num_blocks`` blocks in its table."""
     return SEQUENCE_BYTES + num_blocks * (TABLE_ENTRY_BYTES + 4 * block_size)
+
+
+class Isolation(enum.Enum):
+    """Whose workers a tenant's K/V bytes are trusted with (docs/security.md, trust model)."""
+
+    #: The tenant's blocks live in the shared region: every worker of every shared tenant maps
+    #: it, so each of them is trusted with the bytes of all of them (one engine, many tenants).
+    SHARED = "shared"
+    #: The tenant's blocks live in a partition of its own (or of its group), sized from its
+    #: policy, never lent to another tenant and mapped only by its own (or its group's)
+    #: sessions.
+    DEDICATED = "dedicated"
+
+
+#: The partition of every shared tenant (``TenantPolicy.partition``).
+SHARED_PARTITION = "shared"
 
 
 class Sharing(enum.Enum):
@@ -91,6 +109,8 @@ class TenantPolicy:
     #: Highest request priority that counts against other tenants (higher orders only the
     #: tenant's own requests).
     max_request_priority: int = 0
+    #: Shared region or a dedicated partition (``Isolation``).
+    isolation: Isolation = Isolation.SHARED
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.tenant_id):
@@ -121,6 +141,27 @@ class TenantPolicy:
         if not -2**31 <= self.max_request_priority < 2**31:
             raise InvalidArgument("max_request_priority must be an int32",
                                   field="max_request_priority")
+        if self.isolation is Isolation.DEDICATED:
+            if self.sharing is Sharing.PUBLIC:
+                raise InvalidArgument(
+                    "isolation dedicated cannot share publicly: a public prefix is hit by "
+                    "every public tenant, whose workers would then read this tenant's bytes "
+                    "(use sharing private, or group for a partition its members share)",
+                    field="isolation")
+            if self.quota_blocks < 1:
+                raise InvalidArgument("a dedicated tenant's partition is sized from "
+                                      "quota_blocks, which must be >= 1", field="quota_blocks")
+
+    @property
+    def partition(self) -> str:
+        """The partition the tenant's blocks live in: ``SHARED_PARTITION``, ``tenant-<id>``
+        (dedicated, private) or ``group-<name>`` (dedicated, group: one per group, mapped by
+        its members only). A name safe as a file name."""
+        if self.isolation is Isolation.SHARED:
+            return SHARED_PARTITION
+        if self.sharing is Sharing.GROUP:
+            return f"group-{self.group}"
+        return f"tenant-{self.tenant_id}"
 
     @property
     def sequence_metadata_bytes(self) -> int:
@@ -135,6 +176,27 @@ class TenantPolicy:
         if self.sharing is Sharing.GROUP:
             return f"group:{self.group}"
         return "public"
+
+
+def partition_layout(policies: Iterable[TenantPolicy], shared_blocks: int
+                     ) -> dict[str, int]:
+    """Partition name -> blocks, the shared region first (``shared_blocks``, the pool's
+    configured size). A dedicated partition holds the sum of its members' quotas, so each
+    member can always reach its quota. Refused (naming ``isolation``): a group whose members
+    do not all have the same isolation (a shared member's workers would map the group's
+    prefixes, or a dedicated one's bytes would be hit from the shared region)."""
+    layout = {SHARED_PARTITION: shared_blocks}
+    kinds: dict[str, Isolation] = {}
+    for p in policies:
+        if p.sharing is Sharing.GROUP:
+            seen = kinds.setdefault(p.group, p.isolation)
+            if seen is not p.isolation:
+                raise InvalidArgument(f"group {p.group!r} mixes shared and dedicated tenants "
+                                      f"({p.tenant_id!r} is {p.isolation.value}): every member "
+                                      "of a group needs the same isolation", field="isolation")
+        if p.isolation is Isolation.DEDICATED:
+            layout[p.partition] = layout.get(p.partition, 0) + p.quota_blocks
+    return layout
 
 
 class TenantTable:

@@ -26,12 +26,12 @@ from blockd.config import Config
 from blockd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from blockd.core.events import AllBlocksCleared
 from blockd.core.ids import SequenceIds
-from blockd.core.manager import BlockManager
+from blockd.core.tenants import SHARED_PARTITION, partition_layout
 from blockd.pools.base import Pool
-from blockd.pools.host import HostPool
 from blockd.runtime import convert, step, tenants_file
 from blockd.runtime.budgets import WorkBudgets
 from blockd.runtime.events import EventLog
+from blockd.runtime.partitions import Partitions, build_pools, close_pools
 from blockd.runtime.recovery import JournalCorrupt, Recovery
 from blockd.runtime.sessions import Sessions
 from blockd.runtime.state_store import StateStore
@@ -111,20 +111,29 @@ class Daemon:
                                  snapshot_min_bytes=cfg.state.snapshot_min_bytes,
                                  reserve_bytes=cfg.state.reserve_bytes)
         store = self.recovery.store
-        saved = self.recovery.load(self.spec, ids=self.ids)
-        self.pool: Pool
+        layout = partition_layout(self.tenants.tenants, self.spec.num_blocks)
+        saved = self.recovery.load(self.spec, layout, ids=self.ids)
+        #: One block manager per pool partition behind the manager's API
+        #: (``blockd.runtime.partitions``); ``manager`` is the same object.
+        self.partitions: Partitions
         if saved is not None and store is not None:
-            self.manager = saved.manager
-            self.pool = HostPool(self.spec, path=store.pool_path, reuse=True)
+            self.partitions = saved.manager
             #: This incarnation of the pool (>= 1): block ids of another epoch mean nothing.
             self.epoch: int = saved.epoch
         else:
-            self.manager = BlockManager(self.spec, self.tenants.tenants,
-                                        enable_prefix_cache=cfg.cache.enable_prefix_cache,
-                                        scrub_always=cfg.cache.scrub_always,
-                                        ids=self.ids, preemption=cfg.cache.preemption)
-            self.pool = self._new_pool(store)
+            self.partitions = Partitions(self.spec, self.tenants.tenants,
+                                         enable_prefix_cache=cfg.cache.enable_prefix_cache,
+                                         scrub_always=cfg.cache.scrub_always,
+                                         ids=self.ids, preemption=cfg.cache.preemption)
             self.epoch = int.from_bytes(os.urandom(6), "little") | 1
+        self.manager = self.partitions
+        #: Each partition's own pool (memfd or VMM allocation): a session's worker receives
+        #: only its partition's (``handle_for``).
+        self.pools: dict[str, Pool] = build_pools(
+            self.partitions.specs, cfg.pool.backend, prefault=cfg.pool.prefault,
+            state_dir=store.dir if store else None,
+            shared_path=store.pool_path if store else "", reuse=saved is not None)
+        self.pool = self.pools[SHARED_PARTITION]
         #: vLLM's medium names: where the blocks live ("GPU" or "CPU").
         self.medium = self.pool.medium
         self.sessions = Sessions(self.manager, epoch=self.epoch, tenants=self.tenants,
@@ -150,17 +159,6 @@ class Daemon:
             store.close()
             return None
         return store
-
-    def _new_pool(self, store: StateStore | None) -> Pool:
-        cfg = self.cfg
-        if cfg.pool.backend == "cuda":
-            # Imported here: CPU installs never load cuda-python. CudaPool refuses with the
-            # reason (no driver, no device, no VMM) as FAILED_PRECONDITION on pool.backend.
-            from blockd.pools.cuda import CudaPool
-
-            return CudaPool(self.spec, prefault=cfg.pool.prefault)
-        return HostPool(self.spec, prefault=cfg.pool.prefault,
-                        path=store.pool_path if store else None)
 
     def recover(self) -> None:
         """Replay the journal after the snapshot, then start a new snapshot and journal.
@@ -198,7 +196,7 @@ class Daemon:
                 seconds=round(time.perf_counter() - t0, 4)))
 
     def _snapshot(self) -> None:
-        self.recovery.snapshot(self.manager, self.sessions, self.spec, self.epoch)
+        self.recovery.snapshot(self.partitions, self.sessions, self.spec, self.epoch)
 
     def _journalled(self) -> None:
         """After a journalled change: compact the journal into a snapshot when it is due. A
@@ -234,6 +232,7 @@ class Daemon:
         or credential is gone, or whose credential no longer acts for their tenant, are revoked
         (``Sessions.revoke``), and a removed tenant's private prefixes are flushed."""
         fresh = fresh or self._load_tenants()
+        self.partitions.check_tenants(fresh.tenants)  # nothing changes on a refusal
         revoked = self.sessions.revocations(fresh)
         for info, reason in revoked:
             self.sessions.revoke(info, reason)
@@ -271,9 +270,10 @@ class Daemon:
                                     req.resume_session_id)
         self._journalled()
         policy = self.manager.tenant_policy(info.tenant_id)
+        own = self.partitions.specs[policy.partition]  # what its worker maps and indexes
         return pb.AttachResponse(
             session_id=info.id, epoch=self.epoch, lease_ms=info.lease_ms,
-            pool=convert.pool_info(spec, self.medium, self.cfg.server.handle_socket),
+            pool=convert.pool_info(own, self.medium, self.cfg.server.handle_socket),
             tenant_id=info.tenant_id, sharing_domain_kind=convert.sharing_kind(policy))
 
     def detach(self, principal: Principal, req: pb.DetachRequest) -> pb.DetachResponse:
@@ -327,8 +327,9 @@ class Daemon:
         resp = step.apply_step(m, self.sessions, info, req, epoch=self.epoch,
                                limits=self.limits, errors=self.op_errors)
         recovery.record_step(info.id, req, resp, self.ids.take_minted())
-        if resp.scrubbed_blocks:
-            self.pool.zero_blocks(list(resp.scrubbed_blocks))
+        if resp.scrubbed_blocks:  # ids of the session's partition, zeroed in its pool
+            self.pools[self.partitions.partition_of_session(info.id)].zero_blocks(
+                list(resp.scrubbed_blocks))
         self._journalled()
         return resp
 
@@ -366,7 +367,8 @@ class Daemon:
         table, n = m.block_table(info.id, req.sequence_id)
         resp = pb.InspectResponse(sequence_id=req.sequence_id, epoch=self.epoch,
                                   block_size=self.spec.block_size, num_tokens=n)
-        return convert.inspect_response(resp, positions, m.block_info(table))
+        return convert.inspect_response(
+            resp, positions, self.partitions.of_session(info.id).block_info(table))
 
     def list_sequences(self, principal: Principal, req: pb.ListSequencesRequest
                        ) -> pb.ListSequencesResponse:
@@ -407,13 +409,19 @@ class Daemon:
         laptop default): to anyone else they would tell what the other tenants do (they are 0
         to it; docs/security.md)."""
         m = self.manager
-        counts = m.state_counts()
+        everything = principal.admin or set(m.tenant_policies()) <= principal.tenants
+        # A caller's capacity is that of its tenants' partitions (all of them for an admin).
+        scope = None if everything else {self.partitions.partition_of_tenant(t)
+                                         for t in principal.tenants}
+        counts = m.state_counts(scope)
+        layout = self.partitions.layout
         resp = pb.StatsResponse(
-            epoch=self.epoch, num_blocks=self.spec.num_blocks,
+            epoch=self.epoch, num_blocks=sum(n for p, n in layout.items()
+                                             if scope is None or p in scope),
             block_size=self.spec.block_size, blocks_free=counts["free"],
             blocks_writing=counts["writing"], blocks_committed=counts["committed"],
             blocks_pending=counts["pending"], blocks_cached=counts["cached"])
-        if principal.admin or set(m.tenant_policies()) <= principal.tenants:
+        if everything:
             c = m.counters
             resp.MergeFrom(pb.StatsResponse(
                 prefix_queried_tokens_total=c.queried_tokens,
@@ -468,17 +476,22 @@ class Daemon:
 
     # -- the pool ------------------------------------------------------------------------------
 
-    def handle_for(self, session_id: str) -> tuple[wire.HandleHeader, list[int]] | None:
+    def handle_for(self, session_id: str
+                   ) -> tuple[wire.HandleHeader, list[int], str] | None:
         """What the handle server sends a session's worker (called from its thread): the
-        pool's header and fds, then the session's fence page (``blockd.wire`` fd order)."""
+        header and fds of the pool of the session's partition, and no other, then the
+        session's fence page (``blockd.wire`` fd order); and the session's tenant (the
+        server checks a request naming one)."""
         info = self.sessions.find(session_id)
-        if info is None or info.fence_page is None:
+        if info is None or info.fence_page is None or info.revoked:
             return None
-        return self.pool.handle(self.epoch, info.fence_page.fd)
+        pool = self.pools[self.partitions.partition_of_tenant(info.tenant_id)]
+        header, fds = pool.handle(self.epoch, info.fence_page.fd)
+        return header, fds, info.tenant_id
 
     def close(self) -> None:
         """Release this process's handles. With ``state.dir`` the files stay: the next daemon
         carries on with the same epoch, sessions that did not detach, and the cache."""
         self.sessions.close()
         self.recovery.close()
-        self.pool.close()
+        close_pools(self.pools)

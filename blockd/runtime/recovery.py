@@ -54,10 +54,10 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.core import snapshot
 from blockd.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from blockd.core.ids import SequenceIds
-from blockd.core.manager import BlockManager
 from blockd.core.spec import PoolSpec
 from blockd.runtime import step
 from blockd.runtime.journal import OVERHEAD, Journal, scan
+from blockd.runtime.partitions import Partitions, partition_path
 from blockd.runtime.sessions import SavedSession, Sessions
 from blockd.runtime.state_store import StateStore
 
@@ -65,8 +65,9 @@ log = logging.getLogger("blockd.recovery")
 
 #: The layout of the snapshot's state dict (and of the journal after it). 2: the runtime/core
 #: split of issue 12 (every pickled module path changed); 3: journal headers with a checked
-#: length, Step records of what was applied (issue 15).
-SNAPSHOT_VERSION = 3
+#: length, Step records of what was applied (issue 15); 4: one manager per pool partition
+#: (``"partitions"``, name -> core snapshot, and their ``"layout"``; issue 14).
+SNAPSHOT_VERSION = 4
 
 
 class JournalCorrupt(FailedPrecondition):
@@ -82,7 +83,7 @@ class JournalCorrupt(FailedPrecondition):
 class Saved:
     """What a readable snapshot restores."""
 
-    manager: BlockManager
+    manager: Partitions
     epoch: int
     sessions: list[SavedSession]
 
@@ -120,9 +121,10 @@ class Recovery:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def load(self, spec: PoolSpec, *, ids: SequenceIds) -> Saved | None:
-        """The last snapshot if this daemon can carry on from it; otherwise None, and the state
-        directory is wiped for a clean epoch."""
+    def load(self, spec: PoolSpec, layout: dict[str, int], *, ids: SequenceIds
+             ) -> Saved | None:
+        """The last snapshot if this daemon can carry on from it (same pool and partition
+        ``layout``); otherwise None, and the state directory is wiped for a clean epoch."""
         store = self.store
         if store is None:
             return None
@@ -134,12 +136,12 @@ class Recovery:
         if state is None:
             store.wipe()
             return None
-        problem = _problem(state, spec, store)
+        problem = _problem(state, spec, layout, store)
         if problem is not None:
             self._new_epoch(problem)
             return None
         try:
-            manager = snapshot.load(state["manager"], events=None, ids=ids)
+            manager = Partitions.load(state["partitions"], spec, ids=ids)
         except Exception as exc:
             self._new_epoch(f"its block manager cannot be restored ({type(exc).__name__}: "
                             f"{exc})")
@@ -155,7 +157,7 @@ class Recovery:
 
     # -- replay --------------------------------------------------------------------------------
 
-    def replay(self, m: BlockManager, sessions: Sessions, ids: SequenceIds, *, epoch: int,
+    def replay(self, m: Partitions, sessions: Sessions, ids: SequenceIds, *, epoch: int,
                errors: Counter[str]) -> int:
         """Apply the journal written after the snapshot; returns the number of records."""
         if self.store is None:
@@ -248,7 +250,8 @@ class Recovery:
         return journal is not None and journal.size >= max(self.snapshot_min_bytes,
                                                            2 * self._snapshot_bytes)
 
-    def snapshot(self, m: BlockManager, sessions: Sessions, spec: PoolSpec, epoch: int) -> None:
+    def snapshot(self, parts: Partitions, sessions: Sessions, spec: PoolSpec, epoch: int
+                 ) -> None:
         """Write a snapshot of everything, then start the next journal generation.
 
         A snapshot that cannot be written (``OSError``, e.g. a full state directory) changes
@@ -261,7 +264,8 @@ class Recovery:
         state = {
             "version": SNAPSHOT_VERSION, "manager_format": snapshot.FORMAT_VERSION,
             "spec": dataclasses.asdict(spec), "epoch": epoch,
-            "generation": self.generation + 1, "manager": snapshot.dump(m),
+            "generation": self.generation + 1, "partitions": parts.dump(),
+            "layout": dict(parts.layout),
             "sessions": sessions.saved(),
         }
         self._snapshot_bytes = store.write_snapshot(state)
@@ -289,7 +293,8 @@ class Recovery:
             self.store.close()
 
 
-def _problem(state: object, spec: PoolSpec, store: StateStore) -> str | None:
+def _problem(state: object, spec: PoolSpec, layout: dict[str, int], store: StateStore
+             ) -> str | None:
     """Why a readable snapshot cannot be carried on from, or None."""
     if not isinstance(state, dict):
         return f"the snapshot holds a {type(state).__name__}, not a state dict"
@@ -300,12 +305,15 @@ def _problem(state: object, spec: PoolSpec, store: StateStore) -> str | None:
         return f"core snapshot format {state.get('manager_format')!r}"
     if state["spec"] != dataclasses.asdict(spec):
         return f"the pool was {state['spec']}, the configuration says {spec}"
-    if not os.path.exists(store.pool_path):
-        return "the pool file is gone"
+    if state.get("layout") != layout:
+        return f"the partitions were {state.get('layout')}, the tenants file says {layout}"
+    for name in layout:
+        if not os.path.exists(partition_path(store.dir, name, store.pool_path)):
+            return f"the pool file of partition {name!r} is gone"
     return None
 
 
-def _apply(record: list[Any], m: BlockManager, sessions: Sessions, ids: SequenceIds,
+def _apply(record: list[Any], m: Partitions, sessions: Sessions, ids: SequenceIds,
            epoch: int, errors: Counter[str]) -> None:
     kind = record[0]
     if kind == "step":

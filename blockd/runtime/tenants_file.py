@@ -9,6 +9,8 @@ tenants:
     sharing: private        # private | group | public
     group: ""               # required with sharing: group
     scrub_on_reuse: true    # optional, default true
+    isolation: shared       # shared (default) | dedicated: a partition of its own (or of its
+                            # group), sized from quota_blocks; not with sharing: public
     # Optional per-tenant limits (docs/security.md lists defaults and what each protects):
     max_sequences: 65536    # live sequences, fork children included
     max_sessions: 256       # attached sessions
@@ -36,7 +38,7 @@ from typing import Any
 import yaml
 
 from blockd.core.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from blockd.core.tenants import Sharing, TenantPolicy
+from blockd.core.tenants import Isolation, Sharing, TenantPolicy, partition_layout
 
 DEFAULT_TENANT = "default"
 #: The name of the laptop default's anonymous caller (reserved: no credential may take it).
@@ -115,7 +117,7 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
         if not isinstance(t, Mapping):
             raise InvalidArgument(f"{source}: {where} must be a mapping", field=where)
         unknown = set(t) - {"id", "quota_blocks", "guaranteed_blocks", "priority", "sharing",
-                            "group", "scrub_on_reuse", *_LIMITS}
+                            "group", "scrub_on_reuse", "isolation", *_LIMITS}
         if unknown:
             raise InvalidArgument(f"{source}: {where} has unknown keys {sorted(unknown)}",
                                   field=where)
@@ -125,6 +127,11 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
             raise InvalidArgument(f"{source}: {where}.sharing must be private, group or public",
                                   field=f"{where}.sharing") from None
         try:
+            isolation = Isolation(t.get("isolation", "shared"))
+        except ValueError:
+            raise InvalidArgument(f"{source}: {where}.isolation must be shared or dedicated",
+                                  field=f"{where}.isolation") from None
+        try:
             policies.append(TenantPolicy(
                 tenant_id=str(t["id"]),
                 quota_blocks=int(t["quota_blocks"]),
@@ -133,6 +140,7 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
                 sharing=sharing,
                 group=str(t.get("group", "")),
                 scrub_on_reuse=bool(t.get("scrub_on_reuse", True)),
+                isolation=isolation,
                 **{k: _limit(t[k], k) for k in _LIMITS if k in t},
             ))
         except KeyError as exc:
@@ -141,6 +149,10 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
         except InvalidArgument as exc:
             raise InvalidArgument(f"{source}: {where}: {exc.message}",
                                   field=f"{where}.{exc.field}") from None
+    try:
+        partition_layout(policies, 1)  # a group mixing isolations, named here
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{source}: {exc.message}", field="tenants.isolation") from None
     names = {p.tenant_id for p in policies}
     workers: list[Worker] = []
     for i, w in enumerate(data.get("workers") or []):

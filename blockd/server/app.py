@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -91,6 +92,17 @@ def _grpc_server(sc: ServerConfig, servicer: BlockdServicer
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     return server, health_servicer
+
+
+async def _watch_handles(metrics: Metrics, health_servicer: Any) -> None:
+    """gRPC health NOT_SERVING (and /healthz 503) once the handle server's thread stops."""
+    while metrics.handles is None or metrics.handles.alive:
+        await asyncio.sleep(0.5)
+    if metrics.handles.closing:
+        return
+    log.error("the handle socket stopped: health is NOT_SERVING")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def _listen(server: grpc.aio.Server, target: str, field: str,
@@ -171,7 +183,10 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             handles = HandleServer(sc.handle_socket, daemon.handle_for,
                                    mode=int(sc.socket_mode, 8),
                                    max_connections=sc.handle_connections,
-                                   timeout=sc.handle_timeout_s)
+                                   timeout=sc.handle_timeout_s,
+                                   allowed_uids=cfg.handles.uids(),
+                                   allowed_gids=cfg.handles.gids())
+            metrics.handles = handles  # /healthz: 503 if its thread ever stops
             stack.callback(handles.close)
             handles.start()
             endpoints["handles"] = handles.path
@@ -200,7 +215,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             f"{section}.{name}": value for section, values in cfg.to_dict().items()
             for name, value in values.items()}))
         log.info("serving", extra=logs.fields(**endpoints, epoch=daemon.epoch,
-                                              pool_bytes=daemon.pool.size, pid=os.getpid()))
+                                              pool_bytes=sum(p.size for p in daemon.pools.values()),
+                                              partitions=len(daemon.pools), pid=os.getpid()))
         # One machine-readable line for tests and supervisors that start us on port 0.
         print("BLOCKD_READY " + json.dumps(endpoints), flush=True)
 
@@ -226,6 +242,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             tasks.append(asyncio.create_task(every(sc.invariant_check_interval_ms,
                                                    lambda: check_invariants(daemon, metrics),
                                                    "checking invariants")))
+        if sc.handle_socket:
+            tasks.append(asyncio.create_task(_watch_handles(metrics, health_servicer)))
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import platform
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -86,6 +86,9 @@ class Metrics:
         self.invariant_violations = 0
         #: HTTP connections closed at accept: ``metrics.max_connections`` were open.
         self.http_refused = 0
+        #: The handle server (``blockd.pools.handles``), set by the app: ``/healthz`` is 503
+        #: once its accept thread has stopped (workers could no longer map the pool).
+        self.handles: Any = None
 
     def bind(self, daemon: Daemon, events: KvEventPublisher | None = None) -> None:
         """Export ``daemon``'s state and, when events are on, the KV-event publisher's counters."""
@@ -106,6 +109,8 @@ class Metrics:
             return "503 Service Unavailable", b"journal unwritable: restart to recover\n"
         if self.daemon is not None and self.daemon.draining:
             return "503 Service Unavailable", b"draining\n"
+        if self.handles is not None and not self.handles.alive:
+            return "503 Service Unavailable", b"handle socket stopped\n"
         return "200 OK", b"ok\n"
 
 
@@ -138,11 +143,11 @@ class _DaemonCollector(Collector):
         yield g
         yield GaugeMetricFamily("blockd_pool_blocks",
                                 "KV blocks in the pool (the sum of blockd_blocks over states).",
-                                value=spec.num_blocks)
-        used = spec.num_blocks - counts["free"] - counts["cached"]
+                                value=m.num_blocks)
+        used = m.num_blocks - counts["free"] - counts["cached"]
         yield GaugeMetricFamily("blockd_block_usage_ratio",
                                 "Fraction of blocks neither free nor cached (0..1).",
-                                value=used / spec.num_blocks)
+                                value=used / m.num_blocks)
         c = m.counters
         yield CounterMetricFamily("blockd_prefix_cache_queried_tokens",
                                   "Prompt tokens looked up in the prefix cache at admission.",

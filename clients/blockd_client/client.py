@@ -116,7 +116,7 @@ class Session(SessionViews):
         if self._map_pool:
             from blockd_client.pool import open_pool
 
-            pool = open_pool(resp.pool.handle_socket_path, resp.session_id)
+            pool = open_pool(resp.pool.handle_socket_path, resp.session_id, resp.tenant_id)
         return SessionState(resp, pool, *self._sizes)
 
     def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:

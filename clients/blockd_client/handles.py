@@ -18,9 +18,11 @@ from blockd import wire
 __all__ = ["fetch_handles", "parse_answer"]
 
 
-def fetch_handles(path: str, session_id: str, timeout: float = 10.0
+def fetch_handles(path: str, session_id: str, timeout: float = 10.0, tenant_id: str = ""
                   ) -> tuple[wire.HandleHeader, list[int]]:
-    """Ask the handle socket at ``path`` for a session's header and descriptors.
+    """Ask the handle socket at ``path`` for a session's header and descriptors (those of the
+    pool partition the session's tenant lives in; with ``tenant_id``, the daemon also checks
+    that the session is that tenant's).
 
     The descriptors are in ``header.split_fds`` order and owned by the caller. Raises
     ``wire.HandleRefused`` (a ConnectionError) when the daemon refuses, ``wire.WireError``
@@ -29,7 +31,10 @@ def fetch_handles(path: str, session_id: str, timeout: float = 10.0
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        s.sendall(wire.encode_request(session_id))
+        try:
+            s.sendall(wire.encode_request(session_id, tenant_id))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before the request was read (the peer check): the answer says why
         buf, fds, _flags, _addr = socket.recv_fds(s, wire.MAX_ANSWER_BYTES, wire.MAX_FDS)
         try:
             while not buf.endswith(b"\n") and len(buf) < wire.MAX_ANSWER_BYTES:

@@ -24,9 +24,11 @@ from blockd_client.views import MappedPool
 __all__ = ["PoolView", "open_pool"]
 
 
-def open_pool(handle_socket: str, session_id: str) -> MappedPool:
-    """Fetch a session's descriptors and map the pool with the view its backend needs."""
-    header, fds = fetch_handles(handle_socket, session_id)
+def open_pool(handle_socket: str, session_id: str, tenant_id: str = "") -> MappedPool:
+    """Fetch a session's descriptors and map the pool with the view its backend needs: the
+    pool partition of the session's tenant (``num_blocks`` and every block id the session
+    receives are that partition's; ``blockd.wire``, "Block ids")."""
+    header, fds = fetch_handles(handle_socket, session_id, tenant_id=tenant_id)
     if header.backend == "cuda":
         from blockd_client.cuda_view import CudaPoolView  # cuda-python only when needed
 

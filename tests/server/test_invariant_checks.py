@@ -45,7 +45,7 @@ async def main() -> None:
             stub = pb_grpc.BlockdServiceStub(ch)
             await stub.Stats(pb.StatsRequest())  # a sound state answers
             app.check_invariants(d, metrics)
-            d.manager.blocks.usage[0] += 1
+            d.partitions.managers["shared"].blocks.usage[0] += 1
             try:
                 await stub.Stats(pb.StatsRequest())
                 print("rpc: OK")

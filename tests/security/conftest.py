@@ -1,0 +1,5 @@
+import sys
+from pathlib import Path
+
+# The daemon launcher is shared with the server tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
