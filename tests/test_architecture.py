@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "blockd": REPO / "blockd",
     "blockd_client": REPO / "clients" / "blockd_client",
+    "blockd_vllm": REPO / "clients" / "blockd_vllm",
     "blockd_gpu": REPO / "gpu" / "blockd_gpu",
     "blockd_apps": REPO / "apps" / "blockd_apps",
 }
@@ -164,6 +165,17 @@ def test_libraries_never_import_the_apps_and_the_daemon_never_imports_the_client
     assert _importers("blockd", ("blockd_client", "blockd_apps")) == []
     assert _importers("blockd_client", ("blockd_apps",)) == []
     assert _importers("blockd_gpu", ("blockd_apps", "blockd_client")) == []
+    assert _importers("blockd_vllm", ("blockd_apps",)) == []
+    assert _importers("blockd_client", ("blockd_vllm",)) == []
+
+
+def test_the_vllm_connector_is_a_client_like_any_worker() -> None:
+    """blockd_vllm reaches the daemon only through blockd_client and the wire contract, as any
+    engine would: the connector gets no private door into the daemon."""
+    allowed = ("blockd.api", "blockd.wire")
+    used = {d for m in MODULES if _top(m) == "blockd_vllm" for d in imports_of(m)
+            if _top(d) == "blockd"}
+    assert {d for d in used if not any(d == a or d.startswith(a + ".") for a in allowed)} == set()
 
 
 def test_the_client_uses_only_the_contract_of_the_daemon_package() -> None:

@@ -1,0 +1,115 @@
+"""vLLM's KV tensors and blockd's pool, seen the same way: ``[blocks, 2, tokens, heads, dim]``.
+
+blockd's pool is token-major: ``[layers, 2, blocks, block_size, kv_heads, head_dim]``
+(``blockd_gpu.layout``). vLLM's per-layer tensors differ by backend and version:
+
+- the CPU backend (vLLM 0.32, layout ``LBHNC``): ``[blocks, kv_heads, block_size, 2*head_dim]``,
+  heads outside tokens, K and V side by side in the last axis;
+- FlashAttention-style GPU backends: ``[2, blocks, block_size, kv_heads, head_dim]`` (``NHD``)
+  or ``[2, blocks, kv_heads, block_size, head_dim]`` (``HND``); FlashInfer-style:
+  ``[blocks, 2, ...]``.
+
+``block_view`` recognises the form from the tensor's shape (and, only where two axes have the
+same size, from vLLM's configured layout name), and returns a strided *view* of the same memory
+as ``[blocks, 2, block_size, kv_heads, head_dim]``; nothing is copied and any stride order
+works. A tensor of none of these forms, or of the wrong sizes, is refused at
+``register_kv_caches`` with both the shape and the expected sizes named. A copy between the
+two is then one gather and one scatter per layer (``copy_blocks``), the transpose of each block
+included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: vLLM cache dtype names blockd pools can hold (blockd refuses float8 pools).
+DTYPES = {"float32": "float32", "float16": "float16", "half": "float16",
+          "bfloat16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """What both sides must agree on (one tensor-parallel rank's share)."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def describe(self) -> str:
+        return (f"num_layers={self.num_layers} block_size={self.block_size} "
+                f"num_kv_heads={self.num_kv_heads} head_dim={self.head_dim} dtype={self.dtype}")
+
+
+def engine_shape(vllm_config: Any) -> KvShape:
+    """The KV shape vLLM's config implies (the scheduler side attaches with it)."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise ValueError(
+            f"blockd_vllm: tensor_parallel_size={pc.tensor_parallel_size} and "
+            f"pipeline_parallel_size={pc.pipeline_parallel_size}: this connector supports one "
+            f"worker per engine (1 and 1) for now (docs/vllm.md, limits)")
+    cache_dtype = str(cc.cache_dtype)
+    if cache_dtype == "auto":
+        cache_dtype = str(mc.dtype).removeprefix("torch.")
+    if cache_dtype not in DTYPES:
+        raise ValueError(f"blockd_vllm: kv cache dtype {cache_dtype!r} is not one a blockd pool "
+                         f"holds ({sorted(set(DTYPES.values()))})")
+    return KvShape(num_layers=mc.get_num_layers(pc), block_size=cc.block_size,
+                   num_kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
+                   dtype=DTYPES[cache_dtype])
+
+
+def block_view(t: Any, shape: KvShape, layout_name: str | None = None) -> Any:
+    """``t`` (one layer of vLLM's KV cache) as ``[blocks, 2, block_size, kv_heads, head_dim]``
+    (a view). ``layout_name`` is vLLM's ``cache_config.kv_cache_layout`` (e.g. ``LBHNC``),
+    consulted only when ``block_size == num_kv_heads`` leaves the shape ambiguous."""
+    B, H, D = shape.block_size, shape.num_kv_heads, shape.head_dim
+    dims = tuple(t.shape)
+    heads_first = _heads_first(layout_name)
+    if len(dims) == 4 and dims[3] == 2 * D:
+        # [blocks, H, B, 2D] or [blocks, B, H, 2D]: K and V side by side in the last axis.
+        if dims[1:3] == (H, B) and (H != B or heads_first is not False):
+            return t.unflatten(3, (2, D)).permute(0, 3, 2, 1, 4)
+        if dims[1:3] == (B, H):
+            return t.unflatten(3, (2, D)).permute(0, 3, 1, 2, 4)
+    elif len(dims) == 5 and dims[4] == D and 2 in dims[:2]:
+        kv_first = dims[0] == 2  # [2, blocks, ...]; else [blocks, 2, ...]
+        inner = dims[2:4]
+        perm_blocks = (1, 0) if kv_first else (0, 1)
+        if inner == (H, B) and (H != B or heads_first is True):
+            return t.permute(*perm_blocks, 3, 2, 4)
+        if inner == (B, H):
+            return t.permute(*perm_blocks, 2, 3, 4)
+    raise ValueError(
+        f"blockd_vllm: vLLM's KV tensor has shape {dims}, which is none of the forms this "
+        f"connector knows for {shape.describe()}: [blocks, {H}, {B}, {2 * D}] (CPU, LBHNC), "
+        f"[2, blocks, {B}, {H}, {D}] (NHD), [2, blocks, {H}, {B}, {D}] (HND), or [blocks, 2, ...]")
+
+
+def _heads_first(layout_name: str | None) -> bool | None:
+    """Whether vLLM's layout puts heads outside tokens (``...HN...``), None when unknown."""
+    if not layout_name:
+        return None
+    name = layout_name.upper()
+    if "HN" in name:
+        return True
+    if "NH" in name:
+        return False
+    return None
+
+
+def pool_view(kv_pool: Any, layer: int) -> Any:
+    """One layer of blockd's pool ``[layers, 2, blocks, B, H, D]`` as ``[blocks, 2, B, H, D]``."""
+    return kv_pool[layer].transpose(0, 1)
+
+
+def copy_blocks(dst: Any, dst_ids: Any, src: Any, src_ids: Any) -> None:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i, both ``[blocks, 2, B, H, D]`` views
+    (any strides). ``src`` may be on another device: the gathered blocks are moved once."""
+    gathered = src.index_select(0, src_ids)
+    if gathered.device != dst.device:
+        gathered = gathered.to(dst.device, non_blocking=True)
+    dst[dst_ids] = gathered

@@ -1,0 +1,213 @@
+"""The scheduler side's connection to blockd: one session, and what happens when blockd goes.
+
+``Link`` attaches at engine start (retrying until ``connect_timeout_s``; a refusal a retry will
+not fix, such as a bad token, a foreign tenant or a layout mismatch, refuses to start with the
+key and both values named), makes every call with a short deadline, and turns failures into
+states instead of exceptions: *degraded* while blockd does not answer (tried again every
+``retry_interval_s``), a re-attached session after an epoch change. Its owner hears about both
+(``Listener``) and gets a periodic ``tick`` on the heartbeat thread, under the same lock as
+every call, which also keeps the lease while the engine is idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any, Protocol
+
+import grpc
+
+from blockd_client import BlockdError, Client, EpochChanged
+from blockd_vllm.layout import KvShape
+from blockd_vllm.settings import Settings
+
+log = logging.getLogger("blockd_vllm")
+
+#: How often the heartbeat thread ticks (seconds).
+TICK_S = 0.05
+#: Statuses that mean "blockd is not reachable now" (degrade, try again later).
+UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+#: Statuses at start that a retry will not fix: refuse to start.
+FATAL_AT_START = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.INVALID_ARGUMENT})
+
+
+class Listener(Protocol):
+    def lost(self) -> None: ...
+    def epoch_changed(self, err: EpochChanged) -> None: ...
+    def tick(self) -> bool: ...
+
+
+class Link:
+    def __init__(self, settings: Settings, shape: KvShape, counters: Counter[str]) -> None:
+        self.settings = settings
+        self.shape = shape
+        self.counters = counters
+        self.lock = threading.RLock()
+        self.listener: Listener | None = None
+        self._down_since: float | None = None
+        self._next_try = 0.0
+        #: Counts blockd's comebacks and epoch changes (``PoolRef.generation``).
+        self.generation = 0
+        self.client = Client(settings.target, token_file=settings.token_file,
+                             timeout=settings.rpc_timeout_s, retries=1, backoff=0.02,
+                             reconnect_s=0.0)
+        self.session = self._attach_at_start()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeats, name="blockd-vllm-heartbeat",
+                                      daemon=True)
+
+    def start(self, listener: Listener) -> None:
+        self.listener = listener
+        self._beat.start()
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def _attach_at_start(self) -> Any:
+        from blockd_gpu.layout import KvLayout
+
+        layout = KvLayout(num_layers=self.shape.num_layers, num_kv_heads=self.shape.num_kv_heads,
+                          head_dim=self.shape.head_dim, block_size=self.shape.block_size,
+                          dtype=self.shape.dtype)
+        deadline = time.monotonic() + self.settings.connect_timeout_s
+        while True:
+            try:
+                session = self.client.attach(self.settings.tenant, layout, map_pool=False,
+                                             worker_name=self.settings.worker_name,
+                                             lease_ms=self.settings.lease_ms)
+            except BlockdError as err:
+                if err.status in FATAL_AT_START:
+                    raise RuntimeError(self._start_error(err)) from None
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"blockd_vllm: blockd at kv_connector_extra_config.target="
+                        f"{self.settings.target!r} did not answer within connect_timeout_s="
+                        f"{self.settings.connect_timeout_s:g} ({err.status.name}: "
+                        f"{err.message})") from None
+                time.sleep(0.2)
+                continue
+            log.info("blockd_vllm: attached to %s as tenant %s (session %s, epoch %d, pool %s)",
+                     self.settings.target, self.settings.tenant, session.session_id,
+                     session.epoch, self.shape.describe())
+            return session
+
+    def _start_error(self, err: BlockdError) -> str:
+        where = {grpc.StatusCode.UNAUTHENTICATED: "kv_connector_extra_config.token_file",
+                 grpc.StatusCode.PERMISSION_DENIED: "kv_connector_extra_config.tenant",
+                 grpc.StatusCode.NOT_FOUND: "kv_connector_extra_config.tenant"}.get(
+                     err.status, "the engine's KV layout")
+        detail = err.message
+        if err.field.startswith("layout."):
+            detail = f"{err.message} (vLLM: {self.shape.describe()})"
+        return (f"blockd_vllm: blockd at {self.settings.target!r} refused to attach tenant "
+                f"{self.settings.tenant!r}: {err.status.name} on {where}: {detail}")
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        return self._down_since is not None
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """One session call; None when blockd is unreachable (the link degrades), the epoch
+        changed (the session re-attached) or blockd refused it (counted, said once per kind):
+        the cache never fails a request."""
+        with self.lock:
+            if self._down_since is not None and not self._try_again():
+                return None
+            try:
+                return fn(*args)
+            except EpochChanged as err:
+                self._new_epoch(err)
+            except BlockdError as err:
+                if err.status in UNREACHABLE:
+                    self._go_down(err)
+                else:
+                    key = f"rpc_{err.status.name.lower()}"
+                    self.counters[key] += 1
+                    if self.counters[key] == 1:
+                        log.warning("blockd_vllm: blockd refused a call (%s); the request is "
+                                    "computed without the cache", err)
+            return None
+
+    def _try_again(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        self._next_try = now + self.settings.retry_interval_s
+        try:
+            self.session.heartbeat()
+        except EpochChanged as err:
+            self._new_epoch(err)
+        except BlockdError as err:
+            self.counters["reconnect_failures"] += 1
+            log.debug("blockd_vllm: blockd still unreachable: %s", err)
+            return False
+        down = now - (self._down_since or now)
+        self._down_since = None
+        self.generation += 1
+        log.warning("blockd_vllm: blockd at %s is back after %.1f s: the cache is used again",
+                    self.settings.target, down)
+        return True
+
+    def _go_down(self, err: BlockdError) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self._next_try = self._down_since + self.settings.retry_interval_s
+            self.counters["degraded_episodes"] += 1
+            log.warning("blockd_vllm: blockd at %s unreachable (%s): requests are computed "
+                        "without the cache until it answers again", self.settings.target,
+                        err.status.name)
+        if self.listener is not None:
+            self.listener.lost()
+
+    def _new_epoch(self, err: EpochChanged) -> None:
+        self.counters["epoch_changes"] += 1
+        self._down_since = None
+        self.generation += 1
+        if self.listener is not None:
+            self.listener.epoch_changed(err)
+
+    # -- the heartbeat thread ------------------------------------------------------------------
+
+    def _heartbeats(self) -> None:
+        """Keep the lease while the engine is idle, let the owner finish what an idle engine
+        left (``tick``), and reconnect after an outage."""
+        period = max(0.2, self.session.state.attach.lease_ms / 3000.0)
+        last_beat = time.monotonic()
+        while not self._stop.wait(TICK_S):
+            if not self.lock.acquire(timeout=period):
+                continue
+            try:
+                now = time.monotonic()
+                if self._down_since is not None:
+                    if now >= self._next_try:
+                        self._try_again()
+                    continue
+                assert self.listener is not None
+                if self.listener.tick() or now - last_beat >= period:
+                    self.session.heartbeat()
+                    last_beat = now
+            except EpochChanged as err:
+                self._new_epoch(err)
+            except BlockdError as err:
+                if err.status in UNREACHABLE:
+                    self._go_down(err)
+            except Exception:  # never let the thread die silently
+                log.exception("blockd_vllm: heartbeat failed")
+            finally:
+                self.lock.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self.lock:
+            try:
+                if self._down_since is None:
+                    self.session.detach()
+            except BlockdError:
+                pass
+            self.client.close()

