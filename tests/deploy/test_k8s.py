@@ -26,7 +26,9 @@ import yaml
 from deploy_support import (
     KUSTOMIZATIONS,
     OVERLAYS,
+    POOL_BACKEND,
     ROOT,
+    VLLM,
     by_kind,
     one,
     require_module,
@@ -256,7 +258,7 @@ def test_configmap_is_a_complete_valid_blockd_config(rendered: dict[str, Docs], 
     for section, keys in want.items():
         assert set(raw[section]) == keys, f"{section}: {sorted(set(raw[section]) ^ keys)}"
     cfg.pool.spec()  # the pool layout itself is valid
-    assert cfg.pool.backend == ("cuda" if name == "gpu" else "host")
+    assert cfg.pool.backend == POOL_BACKEND[name]
     assert cfg.tenants.file and not cfg.tenants.allow_anonymous
 
 
@@ -400,8 +402,9 @@ def test_disruption_budget_and_selectors(rendered: dict[str, Docs], name: str) -
 def test_overlay_images(rendered: dict[str, Docs], name: str) -> None:
     spec = pod_spec(rendered[name])
     image = container(spec, "blockd", init=True)["image"]
-    assert image.endswith("-cuda" if name == "gpu" else "-cpu"), image
-    assert ":" in image.rsplit("/", 1)[-1], "an explicit tag"
+    assert image.endswith("-" + POOL_BACKEND[name].replace("host", "cpu")), image
+    for c in spec["initContainers"] + spec["containers"]:
+        assert ":" in c["image"].rsplit("/", 1)[-1], f"{c['name']}: an explicit tag"
 
 
 def gpu_requests(c: dict[str, Any]) -> int:
@@ -412,8 +415,9 @@ def gpu_requests(c: dict[str, Any]) -> int:
     return limits
 
 
-def test_the_gpu_overlay_shares_one_gpu_by_fd(rendered: dict[str, Docs]) -> None:
-    spec = pod_spec(rendered["gpu"])
+@pytest.mark.parametrize("name", [n for n in KUSTOMIZATIONS if POOL_BACKEND[n] == "cuda"])
+def test_the_gpu_overlay_shares_one_gpu_by_fd(rendered: dict[str, Docs], name: str) -> None:
+    spec = pod_spec(rendered[name])
     blockd = container(spec, "blockd", init=True)
     worker = container(spec, "worker", init=False)
     # One GPU per Pod, requested by the pool's owner; two requests would be two different GPUs.
@@ -422,7 +426,7 @@ def test_the_gpu_overlay_shares_one_gpu_by_fd(rendered: dict[str, Docs]) -> None
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert spec["nodeSelector"]["nvidia.com/gpu.count"] == "1"
-    assert one(rendered["gpu"], "Deployment")["spec"]["strategy"]["rollingUpdate"][
+    assert one(rendered[name], "Deployment")["spec"]["strategy"]["rollingUpdate"][
         "maxSurge"] == 0
     # The fd crosses over the Unix socket: no host namespaces, nothing privileged.
     for key in ("hostIPC", "hostPID", "shareProcessNamespace"):
@@ -548,6 +552,13 @@ def probe_argv(probe: dict[str, Any]) -> list[str]:
     return argv[3:]
 
 
+#: The worker probes that run worker_health. vLLM's startup and readiness are its own HTTP
+#: /health (vllm-patch.yaml says why; tests/deploy/test_vllm_overlay.py checks them).
+WORKER_HEALTH_PROBES = {name: (("livenessProbe",) if name in VLLM else
+                               ("startupProbe", "readinessProbe", "livenessProbe"))
+                        for name in KUSTOMIZATIONS}
+
+
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
 def test_the_worker_probes_run_the_worker_health_command(rendered: dict[str, Docs], name: str,
                                                          tmp_path: Path) -> None:
@@ -555,7 +566,7 @@ def test_the_worker_probes_run_the_worker_health_command(rendered: dict[str, Doc
     _, cfg = blockd_yaml(rendered[name], tmp_path)
     worker = container(spec, "worker", init=False)
     kinds = {}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in WORKER_HEALTH_PROBES[name]:
         argv = probe_argv(worker[probe])
         args = worker_health.parser().parse_args(argv)
         kinds[probe] = args.kind
@@ -563,8 +574,8 @@ def test_the_worker_probes_run_the_worker_health_command(rendered: dict[str, Doc
         assert args.timeout + 1 <= worker[probe]["timeoutSeconds"], probe
         # Target and token file come from the container's environment, as the engine's do.
         assert not {"--target", "--token-file"} & set(argv), argv
-    assert kinds == {"startupProbe": "ready", "readinessProbe": "ready",
-                     "livenessProbe": "live"}
+    assert kinds == {p: "live" if p == "livenessProbe" else "ready"
+                     for p in WORKER_HEALTH_PROBES[name]}
     assert worker_health.SERVICE == SERVICE_NAME  # what blockd turns NOT_SERVING on drain
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["BLOCKD_TARGET"] == f"unix:{cfg.server.unix_socket}"  # the Unix socket, no TCP
@@ -572,6 +583,7 @@ def test_the_worker_probes_run_the_worker_health_command(rendered: dict[str, Doc
     # Loading a model takes minutes; liveness tolerates several missed leases (a worker
     # re-attaching after a blockd restart) before it calls the worker dead.
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    assert "livenessProbe" in WORKER_HEALTH_PROBES[name]
     assert live["periodSeconds"] * live["failureThreshold"] >= 3 * cfg.lease.default_ms / 1000
     assert worker["readinessProbe"]["failureThreshold"] >= 2
 
@@ -653,10 +665,26 @@ def check_network_policy(np: dict[str, Any], docs: Docs, cfg: blockd_config.Conf
                  int(cfg.metrics.address.rpartition(":")[2]),
                  bound_port(cfg.events.zmq_endpoint, "events.zmq_endpoint"),
                  bound_port(cfg.events.replay_endpoint, "events.replay_endpoint")}
+    served = engine_port(container(pod["spec"], "worker", init=False))
+    if served is not None:
+        listening.add(served)
     containers = pod["spec"]["initContainers"] + pod["spec"]["containers"]
     declared = {p["containerPort"] for c in containers for p in c.get("ports", [])}
     assert set(table) <= declared == listening, (sorted(table), sorted(declared))
     return table
+
+
+def engine_port(worker: dict[str, Any]) -> int | None:
+    """The port ``vllm serve`` listens on (its --port argument), None for other workers."""
+    if worker.get("command", [])[:2] != ["vllm", "serve"]:
+        return None
+    ports = [a.removeprefix("--port=") for a in worker["args"] if a.startswith("--port=")]
+    assert len(ports) == 1, "vllm serve: exactly one --port=N"
+    return int(ports[0])
+
+
+#: Who may call vLLM's OpenAI API (the vllm overlay's networkpolicy-patch.yaml).
+API_CLIENT = (("blockd.dev/openai-api", "client"),)
 
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
@@ -665,7 +693,10 @@ def test_network_policy_admits_only_prometheus_and_kv_event_subscribers(
     _, cfg = blockd_yaml(rendered[name], tmp_path)
     table = check_network_policy(one(rendered[name], "NetworkPolicy"), rendered[name], cfg)
     grpc_port = int(cfg.server.tcp_address.rpartition(":")[2])
-    assert table == {
+    served = engine_port(container(pod_spec(rendered[name]), "worker", init=False))
+    assert (served is not None) == (name in VLLM)
+    engine = {} if served is None else {served: {API_CLIENT, PROMETHEUS}}  # API and /metrics
+    assert table == engine | {
         int(cfg.metrics.address.rpartition(":")[2]): {PROMETHEUS},
         bound_port(cfg.events.zmq_endpoint, ""): {SUBSCRIBER},
         bound_port(cfg.events.replay_endpoint, ""): {SUBSCRIBER},
