@@ -2,7 +2,9 @@
 
 Starts ``blockd serve`` (4,096 blocks of 16 tokens) with two tenants, "a" and "b", each with the
 per-tenant work budget of this run (``tenants.work_units_per_second``, ``work_units_burst``,
-below) and the default per-call bound (``server.max_work_per_call``). Tenant A runs a normal
+below) and the per-call bound ``server.max_work_per_call`` (``--max-work``, default the daemon's
+default). Every call waits for its tenant's turn in the daemon's fair gate
+(``blockd/runtime/fair_gate.py``). Tenant A runs a normal
 worker loop on one session: admit a 64-token prompt, 16 decode Steps of one appended token
 (each naming a fence and completing the previous one), release; the latency of every Step is
 recorded. Phases, same daemon: A alone, A beside B's flood, A alone again (the "alone" figures
@@ -11,10 +13,12 @@ are both alone phases together, so a drift of the machine shows up on both sides
 B's flood, from separate processes (so the flooders' client work does not share A's GIL), each
 as fast as it can and ignoring the retry hints: Lookups of long prompts (256k tokens; the
 daemon looks at most at the longest possible hit), huge Steps (admits at the per-call bound),
-and many sessions (Attach/Detach in a loop). Refusals (rate, work) are counted, not errors.
+sized to the per-call bound), and many sessions (Attach/Detach in a loop). Refusals (rate,
+work) are counted, not errors.
 
 Reports A's p50/p99 alone and under the flood and their ratios (the goal: p99 within 2x), and
-B's calls served and refused. Writes bench/results/fairness.json and bench/results/fairness.png.
+B's calls served and refused. Writes bench/results/fairness.json and bench/results/fairness.png
+(``--tag`` adds a suffix).
 No timed assertion: the figures are the result.
 """
 
@@ -55,7 +59,7 @@ def md(who: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {TOKENS[who]}"),)
 
 
-def config(workdir: Path) -> Path:
+def config(workdir: Path, max_work: int) -> Path:
     tenants = {
         "tenants": [{"id": t, "quota_blocks": NUM_BLOCKS // 2, "sharing": "private"}
                     for t in TOKENS],
@@ -65,7 +69,8 @@ def config(workdir: Path) -> Path:
     (workdir / "tenants.yaml").write_text(yaml.safe_dump(tenants))
     cfg = {
         "server": {"unix_socket": str(workdir / "blockd.sock"), "tcp_address": "",
-                   "handle_socket": "", "max_sessions": 100_000},
+                   "handle_socket": "", "max_sessions": 100_000,
+                   "max_work_per_call": max_work},
         "metrics": {"address": ""},
         "pool": {"block_size": 16, "num_blocks": NUM_BLOCKS, "num_layers": 4,
                  "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
@@ -116,7 +121,7 @@ def a_phase(stub: pb_grpc.BlockdServiceStub, att: pb.AttachResponse, state: dict
     return out
 
 
-def flood(kind: str, target: str, stop: Any, counts: Any) -> None:
+def flood(kind: str, target: str, stop: Any, counts: Any, max_work: int) -> None:
     """One of B's flooders, until ``stop`` is set; outcomes counted in ``counts``."""
     got: Counter[str] = Counter()
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 25)]
@@ -126,8 +131,9 @@ def flood(kind: str, target: str, stop: Any, counts: Any) -> None:
         step_id = 0
         lookup = pb.LookupRequest(session_id=att.session_id, epoch=att.epoch, namespace=NS,
                                   token_ids=range(1 << 18))
-        # Admits summing to ~130k units: just under server.max_work_per_call's default.
-        huge = [pb.Operation(admit=pb.AdmitOp(namespace=NS, token_ids=range(i, i + 16_000)))
+        # Eight admits summing to just under server.max_work_per_call.
+        n = max(1, max_work // 8 - 256 - 8)
+        huge = [pb.Operation(admit=pb.AdmitOp(namespace=NS, token_ids=range(i, i + n)))
                 for i in range(8)]
         while not stop.is_set():
             try:
@@ -163,10 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each phase")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--max-work", type=int, default=1 << 17,
+                    help="server.max_work_per_call of the run (default: the daemon's)")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="blockd-fair-") as tmp:
-        launched = spawn(config(Path(tmp)), Path(tmp))
+        launched = spawn(config(Path(tmp), args.max_work), Path(tmp))
         target = f"unix:{launched.endpoints['unix']}"
         try:
             with grpc.insecure_channel(target) as ch:
@@ -178,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 stop = ctx.Event()
                 manager = ctx.Manager()
                 counts = manager.dict()
-                procs = [ctx.Process(target=flood, args=(k, target, stop, counts))
+                procs = [ctx.Process(target=flood, args=(k, target, stop, counts,
+                                                         args.max_work))
                          for k in ("lookup", "steps", "sessions")]
                 for p in procs:
                     p.start()
@@ -194,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             terminate(launched.proc)
     res: dict[str, Any] = {
         "budget": {"work_units_per_second": RATE, "work_units_burst": BURST},
+        "max_work_per_call": args.max_work,
         "a_alone": {"steps": len(alone), "p50_ms": pct(alone, 0.5), "p99_ms": pct(alone, 0.99)},
         "a_flooded": {"steps": len(flooded), "p50_ms": pct(flooded, 0.5),
                       "p99_ms": pct(flooded, 0.99)},
@@ -202,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     res["ratio_p50"] = res["a_flooded"]["p50_ms"] / res["a_alone"]["p50_ms"]
     res["ratio_p99"] = res["a_flooded"]["p99_ms"] / res["a_alone"]["p99_ms"]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fairness.json").write_text(json.dumps(res, indent=1) + "\n")
-    plot(alone, flooded, res, args.out / "fairness.png")
+    name = "fairness" + (f"-{args.tag}" if args.tag else "")
+    (args.out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
+    plot(alone, flooded, res, args.out / f"{name}.png")
     print(json.dumps(res, indent=1))
     return 0
 
@@ -221,7 +233,8 @@ def plot(alone: list[float], flooded: list[float], res: dict[str, Any], path: Pa
     ax.set_xscale("log")
     ax.set_xlabel("A's Step latency (ms)")
     ax.set_ylabel("fraction of Steps")
-    ax.set_title(f"p50 x{res['ratio_p50']:.2f}, p99 x{res['ratio_p99']:.2f} under the flood")
+    ax.set_title(f"max_work_per_call {res['max_work_per_call']}: p50 x{res['ratio_p50']:.2f}, "
+                 f"p99 x{res['ratio_p99']:.2f} under the flood")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -13,16 +13,25 @@ metadata); the tenant's other calls and every other tenant's are unaffected.
 A call priced above the burst needs a full bucket (it is charged the burst): the bound of one
 call's work is ``server.max_work_per_call``, checked first. Heartbeats and Detach are never
 charged: they keep leases alive and give resources back.
+
+A tenant's own ``work_units_per_second`` / ``work_units_burst`` in the tenants file replace the
+daemon-wide ones for it (``set_overrides``, at start and on every reload). A call acting for no
+tenant of its caller (an admin's listing) is charged to the credential's own bucket
+(``charge_key``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from blockd.core.errors import ResourceExhausted
+
+if TYPE_CHECKING:
+    from blockd.runtime.tenants_file import Principal
 
 #: The reason label of a refusal for rate.
 REASON = "rate"
@@ -57,32 +66,57 @@ class WorkBudgets:
         self.burst = burst
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
+        #: Tenants' own (rate, burst), from the tenants file; None keeps the daemon-wide one.
+        self._overrides: dict[str, tuple[float | None, float | None]] = {}
         #: Calls refused for rate, by tenant (for metrics).
         self.refused: Counter[str] = Counter()
 
     @property
     def enabled(self) -> bool:
-        return self.rate > 0
+        """Whether any tenant has a budget (the daemon-wide one, or a tenant's own)."""
+        return self.rate > 0 or any(r for r, _ in self._overrides.values())
+
+    def limits(self, tenant_id: str) -> tuple[float, float]:
+        """The (rate, burst) a tenant's bucket runs on: its own, else the daemon-wide."""
+        rate, burst = self._overrides.get(tenant_id, (None, None))
+        return (self.rate if rate is None else rate, self.burst if burst is None else burst)
+
+    def set_overrides(self, overrides: Mapping[str, tuple[float | None, float | None]]
+                      ) -> None:
+        """Tenants' own budgets (a load or reload of the tenants file); a bucket keeps its
+        level, cut to its new burst."""
+        self._overrides = dict(overrides)
+        for t, b in self._buckets.items():
+            b.level = min(b.level, self.limits(t)[1])
 
     def charge(self, tenant_id: str, units: int) -> None:
         """Take ``units`` from the tenant's bucket, or raise ``OverBudget`` taking nothing."""
-        if not self.enabled:
+        rate, burst = self.limits(tenant_id) if self._overrides else (self.rate, self.burst)
+        if rate <= 0:
             return
         now = self._clock()
         b = self._buckets.get(tenant_id)
         if b is None:
-            b = self._buckets[tenant_id] = _Bucket(self.burst, now)
+            b = self._buckets[tenant_id] = _Bucket(burst, now)
         else:
-            b.level = min(self.burst, b.level + (now - b.at) * self.rate)
+            b.level = min(burst, b.level + (now - b.at) * rate)
             b.at = now
-        cost = min(float(units), self.burst)
+        cost = min(float(units), burst)
         if b.level < cost:
             self.refused[tenant_id] += 1
-            wait_ms = max(1, int((cost - b.level) / self.rate * 1000) + 1)
-            raise OverBudget(tenant_id, units, self.rate, self.burst, wait_ms)
+            wait_ms = max(1, int((cost - b.level) / rate * 1000) + 1)
+            raise OverBudget(tenant_id, units, rate, burst, wait_ms)
         b.level -= cost
 
     def forget(self, keep: set[str]) -> None:
-        """Drop the buckets of tenants no longer configured (a tenants reload)."""
-        for t in [t for t in self._buckets if t not in keep]:
+        """Drop the buckets of tenants no longer configured (a tenants reload); credentials'
+        own buckets (``@name``) stay."""
+        for t in [t for t in self._buckets if t not in keep and not t.startswith("@")]:
             del self._buckets[t]
+
+
+def charge_key(principal: Principal, tenant_id: str) -> str:
+    """The budget (and fair-gate queue) a call is charged to: ``tenant_id`` when the caller
+    acts for it, else the credential's own (``@name``; no tenant id starts with ``@``), so no
+    caller can spend, or queue in, another tenant's share."""
+    return tenant_id if tenant_id in principal.tenants else "@" + principal.name

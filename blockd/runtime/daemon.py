@@ -29,8 +29,9 @@ from blockd.core.ids import SequenceIds
 from blockd.core.tenants import SHARED_PARTITION, partition_layout
 from blockd.pools.base import Pool
 from blockd.runtime import convert, step, tenants_file
-from blockd.runtime.budgets import WorkBudgets
+from blockd.runtime.budgets import WorkBudgets, charge_key
 from blockd.runtime.events import EventLog
+from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.partitions import Partitions, build_pools, close_pools
 from blockd.runtime.recovery import JournalCorrupt, Recovery
 from blockd.runtime.sessions import Sessions
@@ -39,10 +40,6 @@ from blockd.runtime.step import StepLimits
 from blockd.runtime.tenants_file import Principal, TenantsFile
 
 log = logging.getLogger("blockd.daemon")
-
-#: ListSequences: sequences per page by default, and at most.
-DEFAULT_LIST_PAGE = 1000
-MAX_LIST_PAGE = 10_000
 
 
 def start(cfg: Config) -> Daemon:
@@ -103,6 +100,7 @@ class Daemon:
         self.budgets = WorkBudgets(cfg.tenants.work_units_per_second,
                                    cfg.tenants.work_units_burst)
         self.tenants = self._load_tenants()
+        self.budgets.set_overrides(self.tenants.budgets)
         self.events = EventLog()
         self.ids = SequenceIds()
         #: Failed Step operations and batch entries, by status name (a bounded label set).
@@ -142,6 +140,9 @@ class Daemon:
         self._resumed = saved is not None and bool(saved.sessions)
         for s in saved.sessions if saved is not None else ():
             self.sessions.restore(s)
+        #: Live sequence ids per tenant, sorted: ListSequences pages in O(page).
+        self.index = SequenceIndex(self.partitions, self.sessions, self.budgets, self.limits,
+                                   self.spec.block_size)
         self.draining = False
         self.started = time.time()
 
@@ -186,6 +187,7 @@ class Daemon:
         if self.recovery.enabled:
             self.ids.record()
             self._snapshot()
+        self.index.rebuild()
         if m.tenant_policies() != {p.tenant_id: p for p in self.tenants.tenants} \
                 or self.sessions.revocations(self.tenants):
             self.reload_tenants(self.tenants)  # the file changed while the daemon was down
@@ -240,6 +242,7 @@ class Daemon:
         self.recovery.record(["tenants", pickle.dumps(list(fresh.tenants))])
         self.tenants = self.sessions.tenants = fresh
         self.budgets.forget({p.tenant_id for p in fresh.tenants})
+        self.budgets.set_overrides(fresh.budgets)
         self._journalled()
         log.info("tenants reloaded", extra=logs.fields(
             tenants=len(fresh.tenants), workers=len(fresh.workers),
@@ -319,13 +322,15 @@ class Daemon:
                              m.session_view(info.id))
         if isinstance(checked, pb.StepResponse):
             return checked  # a retry: its earlier answer
-        recovery.require_space(req.ByteSize() + 64 * len(req.operations))
+        if recovery.enabled:  # ByteSize walks the whole message (~1 ms per MiB)
+            recovery.require_space(req.ByteSize() + 64 * len(req.operations))
         self.sessions.renew(info)  # a live worker, even if its Step is refused for rate
         self.budgets.charge(info.tenant_id, checked.units)
         self.sessions.poll_fence(info)
         self.ids.take_minted()  # whatever an earlier failed Step left
         resp = step.apply_step(m, self.sessions, info, req, epoch=self.epoch,
                                limits=self.limits, errors=self.op_errors)
+        self.index.stepped(info.tenant_id, resp)
         recovery.record_step(info.id, req, resp, self.ids.take_minted())
         if resp.scrubbed_blocks:  # ids of the session's partition, zeroed in its pool
             self.pools[self.partitions.partition_of_session(info.id)].zero_blocks(
@@ -340,11 +345,12 @@ class Daemon:
         tokens = step.check_tokens(self.limits, req.token_ids, "token_ids")
         # No hit is longer than the pool (nor than the prompt less its last token): the tokens
         # beyond the longest possible hit cannot change the answer, so they are never hashed.
-        longest = self.spec.num_blocks * self.spec.block_size + 1
-        if len(tokens) > longest:
-            tokens = tokens[:longest]
-        step.check_work(self.limits, len(tokens), "Lookup", "token_ids")
-        self.budgets.charge(info.tenant_id, len(tokens))
+        # Priced and charged before the cut: copying out the kept tokens is work too.
+        n = min(len(tokens), self.spec.num_blocks * self.spec.block_size + 1)
+        step.check_work(self.limits, n, "Lookup", "token_ids")
+        self.budgets.charge(info.tenant_id, n)
+        if len(tokens) > n:
+            tokens = tokens[:n]
         n = self.manager.lookup(info.id, convert.scope(req.namespace), tokens)
         return pb.LookupResponse(num_cached_tokens=n,
                                  num_cached_blocks=n // self.spec.block_size)
@@ -372,34 +378,17 @@ class Daemon:
 
     def list_sequences(self, principal: Principal, req: pb.ListSequencesRequest
                        ) -> pb.ListSequencesResponse:
-        """One page of the live sequences of the caller's tenants (every tenant for an
-        admin), in sequence-id order; the page token is the last id of the previous page."""
-        convert.check_id(req.tenant_id, "tenant_id", required=False)
-        convert.check_id(req.page_token, "page_token", required=False)
-        if req.page_size > MAX_LIST_PAGE:
-            raise InvalidArgument(f"page_size is at most {MAX_LIST_PAGE}", field="page_size")
-        m = self.manager
-        configured = sorted(m.tenant_policies())
-        if req.tenant_id:
-            if not principal.admin:
-                principal.require_tenant(req.tenant_id)
-            m.tenant_policy(req.tenant_id)  # NOT_FOUND on tenant_id for an unknown tenant
-            scope = [req.tenant_id]
-        else:
-            scope = configured if principal.admin else \
-                [t for t in configured if t in principal.tenants]
-        size = req.page_size or DEFAULT_LIST_PAGE
-        # An admin's whole listing includes sequences of tenants a reload removed.
-        every = principal.admin and not req.tenant_id
-        page = m.sequences_of(None if every else scope, after=req.page_token, limit=size + 1)
-        resp = pb.ListSequencesResponse(epoch=self.epoch, block_size=self.spec.block_size,
-                                        tenant_ids=scope, admin=principal.admin)
-        for s in page[:size]:
-            info = self.sessions.find(s.session_id)
-            resp.sequences.append(convert.sequence_summary(s, info.worker_name if info else ""))
-        if len(page) > size:
-            resp.next_page_token = page[size - 1].seq_id
-        return resp
+        return self.index.answer(principal, req, epoch=self.epoch)
+
+    def gate_key(self, principal: Principal, *, tenant_id: str = "", session_id: str = ""
+                 ) -> str:
+        """Whose turns a call waits for (``blockd.runtime.fair_gate``): the tenant of the
+        session or tenant it names when the caller acts for it, else the caller's own queue
+        (``charge_key``), so no caller can queue in another tenant's turns."""
+        if session_id:
+            info = self.sessions.find(session_id)
+            tenant_id = info.tenant_id if info is not None else ""
+        return charge_key(principal, tenant_id)
 
     def stats(self, principal: Principal) -> pb.StatsResponse:
         """The pool's shape and block states (the capacity a worker schedules against), and

@@ -17,6 +17,10 @@ tenants:
     max_pending_fences: 8192  # releases/commits one session has waiting for fences
     max_metadata_bytes: 268435456  # default: 256 MiB + 128 bytes per quota block
     max_request_priority: 0  # AdmitOp.priority counts at most this against other tenants
+    # Optional: this tenant's own work budget (default: tenants.work_units_per_second and
+    # tenants.work_units_burst of the daemon's config; 0 units per second: no budget)
+    work_units_per_second: 1000000
+    work_units_burst: 200000
 workers:
   - name: worker-a          # required, unique: the credential's identity (owns its sessions)
     token_sha256: 9f86d0...  # hex SHA-256 of the bearer token (unique); never the token itself
@@ -31,7 +35,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +85,9 @@ class TenantsFile:
     workers: tuple[Worker, ...]
     #: Anonymous callers act for every tenant as non-admins (the laptop default only).
     anonymous: Principal | None = None
+    #: Tenants' own work budgets, (units per second, burst), None where the tenant keeps the
+    #: daemon-wide setting (``blockd.runtime.budgets``).
+    budgets: Mapping[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
     def authenticate(self, token: str | None) -> Principal:
         """The principal for a bearer token; constant-time comparison of hashes."""
@@ -112,12 +119,13 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
     if not isinstance(data, Mapping):
         raise InvalidArgument(f"{source}: the top level must be a mapping", field="tenants")
     policies = []
+    budgets: dict[str, tuple[float | None, float | None]] = {}
     for i, t in enumerate(data.get("tenants") or []):
         where = f"tenants[{i}]"
         if not isinstance(t, Mapping):
             raise InvalidArgument(f"{source}: {where} must be a mapping", field=where)
         unknown = set(t) - {"id", "quota_blocks", "guaranteed_blocks", "priority", "sharing",
-                            "group", "scrub_on_reuse", "isolation", *_LIMITS}
+                            "group", "scrub_on_reuse", "isolation", *_LIMITS, *_BUDGET}
         if unknown:
             raise InvalidArgument(f"{source}: {where} has unknown keys {sorted(unknown)}",
                                   field=where)
@@ -149,6 +157,8 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
         except InvalidArgument as exc:
             raise InvalidArgument(f"{source}: {where}: {exc.message}",
                                   field=f"{where}.{exc.field}") from None
+        if any(k in t for k in _BUDGET):
+            budgets[policies[-1].tenant_id] = _budget(t, f"{source}: {where}")
     try:
         partition_layout(policies, 1)  # a group mixing isolations, named here
     except InvalidArgument as exc:
@@ -184,12 +194,38 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
                                       f"'s: every credential needs its own token",
                                       field=f"{where}.token_sha256")
         workers.append(Worker(name, bytes.fromhex(digest), allowed, bool(w.get("admin", False))))
-    return TenantsFile(tuple(policies), tuple(workers))
+    return TenantsFile(tuple(policies), tuple(workers), budgets=budgets)
 
 
 #: The optional limit keys of a tenant (``TenantPolicy`` fields of the same names).
 _LIMITS = ("max_sequences", "max_sessions", "max_pending_fences", "max_metadata_bytes",
            "max_request_priority")
+
+
+#: A tenant's own work budget keys (``blockd.runtime.budgets``).
+_BUDGET = ("work_units_per_second", "work_units_burst")
+
+
+def _budget(t: Mapping[str, Any], where: str) -> tuple[float | None, float | None]:
+    """A tenant's (rate, burst): numbers (never a bool or a string), the rate >= 0 (0: no
+    budget for this tenant), the burst > 0; an absent key keeps the daemon-wide value."""
+    out: list[float | None] = []
+    for key in _BUDGET:
+        value = t.get(key)
+        if value is None and key not in t:
+            out.append(None)
+            continue
+        field_ = f"{where.rsplit(': ', 1)[-1]}.{key}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+                or value in (float("inf"), float("-inf")):
+            raise InvalidArgument(f"{where}.{key} must be a number, got {value!r}",
+                                  field=field_)
+        if value < 0 or (key == "work_units_burst" and value == 0):
+            bound = "> 0" if key == "work_units_burst" else ">= 0 (0: no budget)"
+            raise InvalidArgument(f"{where}.{key} must be {bound}, got {value!r}",
+                                  field=field_)
+        out.append(float(value))
+    return out[0], out[1]
 
 
 def _limit(value: object, key: str) -> int:

@@ -6,6 +6,12 @@ answer; a ``BlockdError`` becomes the status of the one table in ``status.py``. 
 exception is a bug: it is logged and answered with INTERNAL, and the daemon keeps serving.
 With ``server.check_invariants`` every call ends with the core's invariant check, whose
 failure (``blockd.core.errors.Internal``) is answered with INTERNAL like any core error.
+
+Every call that does work for a tenant (Step, each StepStream message, Lookup, Attach,
+ListSequences, GetBlockTable, Inspect, Stats, FlushNamespace) first takes its tenant's turn in
+the daemon's fair gate (``blockd.runtime.fair_gate``), priced by its work units: turns go round
+the tenants, so one tenant's queued calls never make another's wait behind all of them.
+Heartbeat and Detach take no turn: they are cheap, keep leases alive and give resources back.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.core.errors import BlockdError
+from blockd.runtime import listing, step
 from blockd.runtime.budgets import OverBudget
 from blockd.runtime.daemon import Daemon
+from blockd.runtime.fair_gate import FairGate
 from blockd.runtime.tenants_file import Principal
 from blockd.server.metrics import Metrics
 from blockd.server.status import details, grpc_status
@@ -53,16 +61,25 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 class BlockdServicer(pb_grpc.BlockdServiceServicer):
-    def __init__(self, daemon: Daemon, metrics: Metrics) -> None:
+    def __init__(self, daemon: Daemon, metrics: Metrics, gate: FairGate | None = None
+                 ) -> None:
         self.d = daemon
         self.metrics = metrics
+        self.gate = gate or FairGate()
 
     def _caller(self, context: Any) -> Principal:
         return self.d.sessions.authenticate(context.invocation_metadata())
 
+    def _turn(self, p: Principal, units: int, *, tenant_id: str = "", session_id: str = ""
+              ) -> Any:
+        return self.gate.turn(self.d.gate_key(p, tenant_id=tenant_id, session_id=session_id),
+                              units)
+
     @_rpc
     async def Attach(self, request: pb.AttachRequest, context: Any) -> pb.AttachResponse:
-        return self.d.attach(self._caller(context), request)
+        p = self._caller(context)
+        async with self._turn(p, step.ATTACH_UNITS, tenant_id=request.tenant_id):
+            return self.d.attach(p, request)
 
     @_rpc
     async def Detach(self, request: pb.DetachRequest, context: Any) -> pb.DetachResponse:
@@ -75,12 +92,15 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     @_rpc
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
-        return self._step(request, context)
+        return await self._step(request, context)
 
-    def _step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
-        t0 = time.perf_counter()
-        response = self.d.step(self._caller(context), request)
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+    async def _step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        p = self._caller(context)
+        units = step.tally(request, self.d.spec.block_size).units
+        async with self._turn(p, units, session_id=request.session_id):
+            t0 = time.perf_counter()
+            response = self.d.step(p, request)
+            self.metrics.step_seconds.observe(time.perf_counter() - t0)
         return response
 
     async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
@@ -88,7 +108,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         try:
             async for request in request_iterator:
                 try:
-                    response = self._step(request, context)
+                    response = await self._step(request, context)
                 finally:
                     self.d.check()
                 yield response
@@ -101,25 +121,38 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        return self.d.lookup(self._caller(context), request)
+        p = self._caller(context)
+        spec = self.d.spec
+        units = min(len(request.token_ids), spec.num_blocks * spec.block_size + 1)
+        async with self._turn(p, units, session_id=request.session_id):
+            return self.d.lookup(p, request)
 
     @_rpc
     async def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any
                             ) -> pb.GetBlockTableResponse:
-        return self.d.block_table(self._caller(context), request)
+        p = self._caller(context)
+        async with self._turn(p, step.OP_UNITS, session_id=request.session_id):
+            return self.d.block_table(p, request)
 
     @_rpc
     async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectResponse:
-        return self.d.inspect(self._caller(context), request)
+        p = self._caller(context)
+        async with self._turn(p, request.max_positions or 65536, session_id=request.session_id):
+            return self.d.inspect(p, request)
 
     @_rpc
     async def ListSequences(self, request: pb.ListSequencesRequest, context: Any
                             ) -> pb.ListSequencesResponse:
-        return self.d.list_sequences(self._caller(context), request)
+        p = self._caller(context)
+        size = min(request.page_size or listing.DEFAULT_LIST_PAGE, listing.MAX_LIST_PAGE)
+        async with self._turn(p, listing.LIST_ENTRY_UNITS * size, tenant_id=request.tenant_id):
+            return self.d.list_sequences(p, request)
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return self.d.stats(self._caller(context))
+        p = self._caller(context)
+        async with self._turn(p, step.OP_UNITS, tenant_id=min(p.tenants, default="")):
+            return self.d.stats(p)
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Any
                           ) -> AsyncIterator[pb.WatchEventsResponse]:
@@ -132,7 +165,9 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
     @_rpc
     async def FlushNamespace(self, request: pb.FlushNamespaceRequest, context: Any
                              ) -> pb.FlushNamespaceResponse:
-        return self.d.flush(self._caller(context), request)
+        p = self._caller(context)
+        async with self._turn(p, step.OP_UNITS, tenant_id=request.tenant_id):
+            return self.d.flush(p, request)
 
 
 async def _abort(context: Any, exc: Exception, where: str) -> None:
