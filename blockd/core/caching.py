@@ -27,7 +27,7 @@ from blockd.core.blocks import CACHED, COMMITTED, FREE, BlockArrays
 from blockd.core.errors import Internal
 from blockd.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
 from blockd.core.namespace import Namespace, NamespaceTable
-from blockd.core.prefix_index import NO_PARENT, PrefixIndex
+from blockd.core.prefix_index import NO_PARENT, PINNED, STALE, PrefixIndex
 from blockd.core.results import Counters
 from blockd.core.sequence import Sequence
 
@@ -44,6 +44,10 @@ class CommitBatch:
     keys: list[bytes]
     chunks: list[bytes]
     ns_id: int
+    #: The generation ``blocks[0]``'s parent (``chain[start - 1]``) had when the batch was
+    #: made, or ``PINNED`` when that parent is the sequence's own table entry (held, so it
+    #: cannot change while the batch waits). Checked by pending hits (``Session.pending``).
+    parent_gen: int = -1
 
 
 
@@ -89,8 +93,16 @@ class PrefixCache:
         step = index.chunk_bytes
         tokens = seq.tokens
         chunks = [bytes(tokens[i * step:(i + 1) * step]) for i in range(count)]
+        parent_gen = PINNED
+        if start:
+            # A parent other than the table's own block is a verified indexed twin (see the
+            # NOTE on duplicates), not held by this sequence: remember its incarnation.
+            parent = seq.chain[start - 1]
+            if parent != seq.table[start - 1]:
+                parent_gen = index.gen[parent] if index.ns[parent] else STALE
         seq.chain.extend(blocks)
-        batch = CommitBatch(seq.chain, start, blocks, seq.keys[:count], chunks, seq.ns.id)
+        batch = CommitBatch(seq.chain, start, blocks, seq.keys[:count], chunks, seq.ns.id,
+                            parent_gen)
         del seq.keys[:count]
         del tokens[:count * step]
         self.namespaces.incref(seq.ns)
@@ -111,9 +123,9 @@ class PrefixCache:
                 # The parent turned out to duplicate an indexed block (possibly found through a
                 # fork sibling's chain): chain to that one while it is the same incarnation.
                 canon, gen = dup[parent]
-                if index.key[canon] is not None and index.gen[canon] == gen:
+                if index.ns[canon] and index.gen[canon] == gen:
                     parent = canon
-            if state[b] == FREE or index.key[b] is not None:
+            if state[b] == FREE or index.ns[b]:
                 continue  # flushed meanwhile, or already indexed through a sibling
             key = batch.keys[j]
             chunk = batch.chunks[j]
@@ -126,8 +138,10 @@ class PrefixCache:
                 continue
             # Key taken: an identical block was indexed first. Chain later blocks to it, but
             # only after verifying it, so a colliding key can never become our parent.
-            other = index.map[key]
-            if (index.tokens[other] == chunk and index.is_child(other, parent)
+            other = index.find(key)
+            if other is None:
+                raise Internal("the key table refused a key it does not hold")
+            if (index.tokens_of(other) == chunk and index.is_child(other, parent)
                     and index.ns[other] == batch.ns_id):
                 chain[i] = other
                 dup[b] = (other, index.gen[other])
@@ -153,10 +167,10 @@ class PrefixCache:
     def idle(self, idle: Iterable[int]) -> None:
         """Unreferenced blocks with no pending fence: CACHED if indexed, else FREE."""
         blocks = self.blocks
-        key = self.index.key
+        indexed = self.index.ns
         dup = self.dup
         for b in idle:
-            if key[b] is not None:
+            if indexed[b]:
                 blocks.cache(b)
             else:
                 if dup:
@@ -176,7 +190,7 @@ class PrefixCache:
             self.counters.evictions += 1
 
     def unindex(self, block: int) -> None:
-        key = self.index.key[block]
+        key = self.index.key_of(block)
         ns_id = self.index.remove(block)
         self.namespaces.decref(self.namespaces.get(ns_id))
         if self.events is not None and key is not None:
@@ -193,7 +207,7 @@ class PrefixCache:
         owner = self.blocks.owner
         ns_arr = self.index.ns
         victims = [
-            b for b in self.index.map.values()
+            b for b in self.index.blocks()
             if ns_arr[b] in namespace_ids and (owner_slot is None or owner[b] == owner_slot)
         ]
         blocks = self.blocks
@@ -213,9 +227,9 @@ class PrefixCache:
         index = self.index
         out: list[BlockStored] = []
         seen: set[int] = set()
-        for b in index.map.values():
+        for b in index.blocks():
             chain = []
-            while b >= 0 and b not in seen and index.key[b] is not None:
+            while b >= 0 and b not in seen and index.ns[b]:
                 chain.append(b)
                 seen.add(b)
                 b = index.parent[b]
@@ -226,8 +240,8 @@ class PrefixCache:
         index = self.index
         ns = self.namespaces.get(index.ns[b])
         parent = index.parent[b]
-        parent_key = index.key[parent] if parent >= 0 else None
-        tokens = index.tokens[b]
-        return BlockStored(b, index.key[b] or b"", parent_key or b"", tokens or b"",
+        parent_key = index.key_of(parent) if parent >= 0 else None
+        tokens = index.tokens_of(b)
+        return BlockStored(b, index.key_of(b) or b"", parent_key or b"", tokens or b"",
                            namespace_label(ns), ns.fields.lora_id or "",
                            ns.fields.sharing_domain)

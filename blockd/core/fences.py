@@ -36,6 +36,7 @@ from blockd.core.errors import (
     NotFound,
     ResourceExhausted,
 )
+from blockd.core.prefix_index import NO_PARENT, PINNED
 
 RELEASE = 0
 COMMIT = 1
@@ -63,9 +64,23 @@ class Session:
     #: ``blockd.core.preemption.MAX_REMEMBERED``, oldest dropped first): an operation naming one
     #: is ABORTED rather than NOT_FOUND.
     preempted_ids: dict[str, None] = field(default_factory=dict)
+    #: The session's own commits still waiting for their fence, by key: (block, parent,
+    #: parent generation or ``PINNED``, token ids, namespace id). Only this session's later
+    #: admissions hit them (its worker orders its own kernels, so they run after the K/V is
+    #: written); every other session sees them once the fence completes. Written by the
+    #: ledger only (``commit`` adds, completion and drops remove); read by
+    #: ``PrefixIndex.match``.
+    pending: dict[bytes, tuple[int, int, int, bytes, int]] = field(default_factory=dict)
 
     def is_complete(self, fence: int) -> bool:
         return fence <= self.completed
+
+    def take_preempted(self) -> list[str]:
+        """The preemption notices not yet told to the worker, oldest first; now told."""
+        out = self.preempted
+        if out:
+            self.preempted = []
+        return out
 
     def unknown_sequence(self, seq_id: str) -> BlockdError:
         """The error for a sequence id this session does not hold (any more)."""
@@ -194,11 +209,30 @@ class FenceLedger:
         session.waiting.append((fence, RELEASE, array("i", blocks)))
 
     def commit(self, session: Session, fence: int, batch: CommitBatch) -> None:
-        """Index ``batch`` once ``fence`` completes (at once if it already has)."""
+        """Index ``batch`` once ``fence`` completes (at once if it already has); until then
+        its blocks are hittable by this session only (``Session.pending``)."""
         if session.is_complete(fence):
             self.cache.apply_commit(batch)
-        else:
-            session.waiting.append((fence, COMMIT, batch))
+            return
+        session.waiting.append((fence, COMMIT, batch))
+        pending = session.pending
+        parent = batch.chain[batch.start - 1] if batch.start else NO_PARENT
+        parent_gen = batch.parent_gen
+        ns_id = batch.ns_id
+        for key, b, chunk in zip(batch.keys, batch.blocks, batch.chunks, strict=True):
+            if key not in pending:  # a twin committed earlier by this session keeps the key
+                pending[key] = (b, parent, parent_gen, chunk, ns_id)
+            parent = b
+            parent_gen = PINNED  # the block before it in the same table
+
+    @staticmethod
+    def _unpend(session: Session, batch: CommitBatch) -> None:
+        """A batch left the waiting queue (applied or dropped): no longer a pending hit."""
+        pending = session.pending
+        for key, b in zip(batch.keys, batch.blocks, strict=True):
+            entry = pending.get(key)
+            if entry is not None and entry[0] == b:
+                del pending[key]
 
     # -- completion ---------------------------------------------------------------------------
 
@@ -232,6 +266,8 @@ class FenceLedger:
         while waiting and waiting[0][0] <= fence:
             f, kind, payload = waiting.popleft()
             if isinstance(payload, CommitBatch):
+                if session.pending:
+                    self._unpend(session, payload)
                 if drop_commits_after is None or f <= drop_commits_after:
                     cache.apply_commit(payload)
                 else:
@@ -252,6 +288,7 @@ class FenceLedger:
             if w[1] == COMMIT:
                 self.cache.drop_commit(w[2])  # type: ignore[arg-type]
         session.waiting = deque(keep)
+        session.pending.clear()
 
     def end(self, session: Session) -> None:
         """A session that ends: its releases complete, its unconfirmed commits are dropped."""

@@ -38,7 +38,7 @@ from blockd.core.preemption import MAX_REMEMBERED, VictimChooser
 from blockd.core.prefix_index import HashFactory, PrefixIndex
 from blockd.core.queries import CoreQueries
 from blockd.core.results import AdmitResult, AppendResult, BatchAppend, CopyOp, Counters, DoesNotFit
-from blockd.core.sequence import Sequence, as_token_bytes
+from blockd.core.sequence import Sequence, append_in_place, as_token_bytes
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import TenantPolicy, TenantTable
 
@@ -194,7 +194,7 @@ class BlockManager(CoreQueries):
         hits: list[int] = []
         if cache:
             # Leave at least one token to compute: the worker needs the last token's logits.
-            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // B)
+            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // B, session.pending)
         need = -(-length // B) - len(hits)
         verdict = (self.admission.limits(session.tenant, 1, need + len(hits), B)
                    or self.admission.fits(session.tenant, need, hits))
@@ -251,6 +251,10 @@ class BlockManager(CoreQueries):
         block and a copy op src->dst; the old block keeps its content for the others and loses
         this sequence's reference under ``fence`` (the copy reads it during this step).
         """
+        done = append_in_place(self.sessions.get(session_id), self.sequences.get(seq_id),
+                               tokens, fence, self.block_size, self.blocks.ref)
+        if done is not None:
+            return done
         session = self._session(session_id)
         seq = self._sequence(session, seq_id)
         raw = as_token_bytes(tokens, "token_ids")
@@ -453,11 +457,7 @@ class BlockManager(CoreQueries):
 
     def take_preempted(self, session_id: str) -> list[str]:
         """Every sequence of the session preempted since the last call, oldest first."""
-        session = self._session(session_id)
-        out = session.preempted
-        if out:
-            session.preempted = []
-        return out
+        return self._session(session_id).take_preempted()
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -22,12 +22,20 @@ old content. A forced collision of the hash yields a miss, never another prefix'
 
 Only COMMITTED/PENDING/CACHED blocks whose commit fence has passed are in the index; the
 caching room inserts them when that fence completes.
+
+Memory (issue 17: at most 150 bytes per indexed block at 1M blocks, verification kept). No
+Python object per block: keys and token ids live in two flat arenas indexed by block id (16 and
+``4 * block_size`` bytes per block, grown to the highest block id indexed so far), and the key
+-> block map is an open-addressing table of block ids (linear probing, backward-shift deletion)
+whose home slot is the key's own first bytes (the key is already a keyed hash; Python's
+``hash`` is salted per process, which would break snapshots). A dict of bytes keys to int
+blocks cost ~150 bytes per block on its own (key object, int object, dict entry).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from operator import eq
 
 import xxhash
@@ -35,13 +43,32 @@ import xxhash
 from blockd.core.errors import Internal
 
 NO_PARENT = -1
+#: A pending entry's parent generation when the parent is held by the committing sequence's
+#: own table (it cannot change while the entry waits); ``STALE``: a parent that was no longer
+#: indexed, so the entry is never hit (``match``, pending hits).
+PINNED = -1
+STALE = -2
 
-#: key(8, a pointer shared with the dict's key) + tokens(8) + parent(4) + parent's
-#: generation(4) + generation(4) + namespace(4).
-BYTES_PER_BLOCK = 32
+#: Preallocated per block: parent(4) + parent's generation(4) + generation(4) + namespace(4)
+#: + the key table's slots (4 bytes each, at most 2 slots per block: ``_table_size``).
+BYTES_PER_BLOCK = 24
+#: Bytes of one key (XXH3-128 digest).
+KEY_BYTES = 16
 _GEN_MASK = 0xFFFFFFFF
+_EMPTY = -1
+
+
+def _table_size(num_blocks: int) -> int:
+    """Slots of the key table: a power of two, at least 1.5 per block (load <= 2/3)."""
+    size = 8
+    while size * 2 < 3 * num_blocks:
+        size *= 2
+    return size
 
 HashFactory = Callable[[int], "xxhash.xxh3_128"]
+#: A session's pending commits by key: (block, parent, parent generation or ``PINNED``,
+#: token ids, namespace id); see ``blockd.core.fences.Session.pending``.
+PendingHits = dict[bytes, tuple[int, int, int, bytes, int]]
 
 
 def _xxh3(seed: int) -> xxhash.xxh3_128:
@@ -59,11 +86,15 @@ class PrefixIndex:
         self._seed = seed
         # Tests inject a weak hash here to force collisions; production uses keyed XXH3-128.
         self._new_hasher: HashFactory = hasher_factory or _xxh3
-        self.map: dict[bytes, int] = {}
-        #: The key a block is indexed under (None: not indexed).
-        self.key: list[bytes | None] = [None] * num_blocks
-        #: The block's token ids as uint32 LE bytes (None: not indexed).
-        self.tokens: list[bytes | None] = [None] * num_blocks
+        self.num_blocks = num_blocks
+        #: Key table: slot -> block id (``_EMPTY``); a block's home slot is ``_home(key)``.
+        self._slots = array("i", [_EMPTY]) * _table_size(num_blocks)
+        self._mask = len(self._slots) - 1
+        #: Arenas by block id: the key it is indexed under, its token ids (uint32 LE). Valid
+        #: only while the block is indexed (``ns[b] != 0``); grown by ``_reserve``.
+        self._keys = bytearray()
+        self._tokens = bytearray()
+        self._count = 0
         #: Block matched just before this one in its prefix, NO_PARENT for a first block.
         self.parent = array("i", [NO_PARENT]) * num_blocks
         #: Bumped whenever the block enters or leaves the index (mod 2^32): its incarnation.
@@ -121,9 +152,13 @@ class PrefixIndex:
         h.update(memoryview(token_bytes)[: num_blocks * self.chunk_bytes])
         return h.digest()
 
-    def match(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int
-              ) -> list[int]:
+    def match(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int,
+              pending: PendingHits | None = None) -> list[int]:
         """Blocks holding the longest verified cached prefix (at most ``max_blocks`` blocks).
+
+        ``pending``: the asking session's own commits whose fence has not completed
+        (``blockd.core.fences.Session.pending``); the prefix found in the index is extended
+        with them (``_match_pending``). No other session's pending commit is ever seen.
 
         Fast path: probe the key of the longest candidate prefix, then binary-search the
         longest prefix whose last key is indexed (each probe is one update and one digest), and
@@ -134,7 +169,46 @@ class PrefixIndex:
         """
         if max_blocks <= 0:
             return []
-        get = self.map.get
+        hits = self._match_indexed(ns_id, root_key, token_bytes, max_blocks)
+        if pending and len(hits) < max_blocks:
+            self._match_pending(pending, ns_id, root_key, token_bytes, max_blocks, hits)
+        return hits
+
+    def _match_pending(self, pending: PendingHits, ns_id: int, root_key: bytes,
+                       token_bytes: bytes, max_blocks: int, hits: list[int]) -> None:
+        """Extend ``hits`` block by block with the session's pending commits.
+
+        The same verification as the index's: the entry's key finds it, then its token ids,
+        its namespace and its parent (the block matched just before it, in the incarnation it
+        had at commit time, unless the committing sequence holds it) must all match.
+        """
+        step = self.chunk_bytes
+        n = len(hits)
+        h = self._new_hasher(self._seed)
+        h.update(root_key)
+        if n:
+            h.update(memoryview(token_bytes)[: n * step])
+        prev = hits[-1] if n else NO_PARENT
+        get = pending.get
+        indexed = self.ns
+        gen = self.gen
+        for off in range(n * step, max_blocks * step, step):
+            chunk = token_bytes[off:off + step]
+            h.update(chunk)
+            entry = get(h.digest())
+            if entry is None:
+                return
+            b, parent, parent_gen, stored, ns = entry
+            if parent != prev or ns != ns_id or stored != chunk:
+                return
+            if parent_gen != PINNED and (not indexed[parent] or gen[parent] != parent_gen):
+                return
+            hits.append(b)
+            prev = b
+
+    def _match_indexed(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int
+                       ) -> list[int]:
+        get = self.find
         lo, hi = 0, max_blocks
         found = get(self.key_at(root_key, token_bytes, hi))
         if found is not None:
@@ -182,11 +256,11 @@ class PrefixIndex:
             return None
         if self.ns[blocks[0]] != ns_id:
             return None
-        try:
-            stored = b"".join(map(self.tokens.__getitem__, blocks))  # type: ignore[arg-type]
-        except TypeError:  # not indexed (only possible for the first block)
-            return None
-        if stored != token_bytes[: n * self.chunk_bytes]:
+        # (The first block is indexed: its namespace id, never 0 for an indexed block, matched.)
+        step = self.chunk_bytes
+        arena = self._tokens
+        stored = b"".join([arena[b * step:(b + 1) * step] for b in blocks])
+        if stored != token_bytes[: n * step]:
             return None
         return blocks
 
@@ -201,9 +275,10 @@ class PrefixIndex:
         out: list[int] = []
         expect = NO_PARENT
         for i, key in enumerate(keys):
-            b = self.map.get(key)
+            b = self.find(key)
             if (b is None or not self.is_child(b, expect) or self.ns[b] != ns_id
-                    or not eq(self.tokens[b], token_bytes[i * step:(i + 1) * step])):
+                    or not eq(self._tokens[b * step:(b + 1) * step],
+                              token_bytes[i * step:(i + 1) * step])):
                 break
             out.append(b)
             expect = b
@@ -211,13 +286,73 @@ class PrefixIndex:
 
     # -- membership ---------------------------------------------------------------------------
 
+    def _home(self, key: bytes | bytearray) -> int:
+        return int.from_bytes(key, "little") & self._mask
+
+    def find(self, key: bytes) -> int | None:
+        """The block indexed under ``key``, or None."""
+        slots = self._slots
+        keys = self._keys
+        mask = self._mask
+        i = int.from_bytes(key, "little") & mask
+        while True:
+            b = slots[i]
+            if b == _EMPTY:
+                return None
+            if keys[b * KEY_BYTES:(b + 1) * KEY_BYTES] == key:
+                return b
+            i = (i + 1) & mask
+
+    def is_indexed(self, block: int) -> bool:
+        return self.ns[block] != 0
+
+    def key_of(self, block: int) -> bytes | None:
+        """The key ``block`` is indexed under (None: not indexed)."""
+        if not self.ns[block]:
+            return None
+        return bytes(self._keys[block * KEY_BYTES:(block + 1) * KEY_BYTES])
+
+    def tokens_of(self, block: int) -> bytes | None:
+        """The token ids (uint32 LE) of an indexed block (None: not indexed)."""
+        if not self.ns[block]:
+            return None
+        step = self.chunk_bytes
+        return bytes(self._tokens[block * step:(block + 1) * step])
+
+    def blocks(self) -> list[int]:
+        """Every indexed block, in block-id order."""
+        ns = self.ns
+        return [b for b in range(self.num_blocks) if ns[b]]
+
+    def _reserve(self, block: int) -> None:
+        """Grow the arenas to hold ``block`` (doubling, capped at the pool: at most
+        ``KEY_BYTES + chunk_bytes`` per block ever indexed, never more than the pool's)."""
+        have = len(self._keys) // KEY_BYTES
+        if block < have:
+            return
+        grow = min(self.num_blocks, max(block + 1, 2 * have, 1024)) - have
+        self._keys.extend(bytes(grow * KEY_BYTES))
+        self._tokens.extend(bytes(grow * self.chunk_bytes))
+
     def insert(self, block: int, key: bytes, chunk: bytes, parent: int, ns_id: int) -> bool:
         """Index ``block`` under ``key``; False (nothing changed) if the key is taken."""
-        if key in self.map:
-            return False
-        self.map[key] = block
-        self.key[block] = key
-        self.tokens[block] = chunk
+        slots = self._slots
+        keys = self._keys
+        mask = self._mask
+        i = int.from_bytes(key, "little") & mask
+        while True:
+            b = slots[i]
+            if b == _EMPTY:
+                break
+            if keys[b * KEY_BYTES:(b + 1) * KEY_BYTES] == key:
+                return False
+            i = (i + 1) & mask
+        self._reserve(block)
+        slots[i] = block
+        keys[block * KEY_BYTES:(block + 1) * KEY_BYTES] = key
+        step = self.chunk_bytes
+        self._tokens[block * step:(block + 1) * step] = chunk
+        self._count += 1
         self.parent[block] = parent
         self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
         self.parent_gen[block] = self.gen[parent] if parent >= 0 else 0
@@ -226,16 +361,34 @@ class PrefixIndex:
 
     def remove(self, block: int) -> int:
         """Drop ``block`` from the index; returns its namespace id."""
-        key = self.key[block]
-        if key is None:
+        ns_id = self.ns[block]
+        if not ns_id:
             raise Internal(f"block {block} is not indexed")
-        del self.map[key]
-        self.key[block] = None
-        self.tokens[block] = None
+        slots = self._slots
+        keys = self._keys
+        mask = self._mask
+        i = self._home(keys[block * KEY_BYTES:(block + 1) * KEY_BYTES])
+        while slots[i] != block:
+            if slots[i] == _EMPTY:
+                raise Internal(f"block {block} is missing from the key table")
+            i = (i + 1) & mask
+        # Backward-shift deletion: move later entries of the probe run into the hole unless
+        # their home slot lies cyclically in (hole, their slot].
+        j = i
+        while True:
+            j = (j + 1) & mask
+            c = slots[j]
+            if c == _EMPTY:
+                break
+            home = self._home(keys[c * KEY_BYTES:(c + 1) * KEY_BYTES])
+            if (j - home) & mask >= (j - i) & mask:
+                slots[i] = c
+                i = j
+        slots[i] = _EMPTY
+        self._count -= 1
         self.parent[block] = NO_PARENT
         # A new incarnation: children indexed after the old one no longer chain to it.
         self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
-        ns_id = self.ns[block]
         self.ns[block] = 0
         return ns_id
 
@@ -246,4 +399,72 @@ class PrefixIndex:
         return parent < 0 or self.parent_gen[block] == self.gen[parent]
 
     def __len__(self) -> int:
-        return len(self.map)
+        return self._count
+
+    # -- read views (invariant checks, snapshots, tests; not the hot paths) --------------------
+
+    @property
+    def key(self) -> _BlockView:
+        """``key[b]``: the key block ``b`` is indexed under, or None."""
+        return _BlockView(self.key_of, self.num_blocks)
+
+    @property
+    def tokens(self) -> _BlockView:
+        """``tokens[b]``: the token ids of indexed block ``b``, or None."""
+        return _BlockView(self.tokens_of, self.num_blocks)
+
+    @property
+    def map(self) -> _KeyMap:
+        """The key -> block map as a read-only mapping."""
+        return _KeyMap(self)
+
+
+class _BlockView:
+    """A read-only per-block sequence computed by ``get`` (never stored: not in snapshots)."""
+
+    __slots__ = ("_get", "_n")
+
+    def __init__(self, get: Callable[[int], bytes | None], n: int) -> None:
+        self._get = get
+        self._n = n
+
+    def __getitem__(self, block: int) -> bytes | None:
+        return self._get(block)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[bytes | None]:
+        return map(self._get, range(self._n))
+
+
+class _KeyMap:
+    """Key -> block, read-only, over the key table (in block-id order)."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def get(self, key: bytes, default: int | None = None) -> int | None:
+        b = self._index.find(key)
+        return default if b is None else b
+
+    def __getitem__(self, key: bytes) -> int:
+        b = self._index.find(key)
+        if b is None:
+            raise KeyError(key)
+        return b
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self._index.find(key) is not None
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def values(self) -> list[int]:
+        return self._index.blocks()
+
+    def items(self) -> list[tuple[bytes, int]]:
+        index = self._index
+        return [(index.key_of(b), b) for b in index.blocks()]  # type: ignore[misc]

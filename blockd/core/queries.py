@@ -104,7 +104,8 @@ class CoreQueries:
         raise NotImplementedError
 
     def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
-        """Tokens of a prompt whose K/V is cached and visible to this session's tenant.
+        """Tokens of a prompt whose K/V is cached and visible to this session's tenant (or
+        committed by this session under a fence not yet complete: its own admissions hit it).
 
         Allocates nothing and does not touch the LRU. Capped like ``admit``: a multiple of the
         block size, less than the prompt length.
@@ -116,7 +117,8 @@ class CoreQueries:
             return 0
         ns = self._namespace(scope, session.tenant)
         try:
-            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // self.block_size)
+            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // self.block_size,
+                                    session.pending)
             return len(hits) * self.block_size
         finally:
             self.namespaces.release_if_unused(ns)

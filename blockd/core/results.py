@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from blockd.core.errors import BlockdError
 
@@ -58,8 +59,10 @@ class CopyOp:
     dst: int
 
 
-@dataclass(frozen=True, slots=True)
-class AppendResult:
+class AppendResult(NamedTuple):
+    """An append's answer. A named tuple, not a frozen dataclass: it is built once per token
+    on the per-token path, and a tuple is built in half the time (still immutable)."""
+
     #: Logical index from which ``block_ids`` replace or extend the worker's table.
     start_index: int
     block_ids: list[int]

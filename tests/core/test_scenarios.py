@@ -19,11 +19,13 @@ def test_prefix_hit_reuses_committed_blocks() -> None:
     assert (r1.block_table, r1.num_cached_tokens) == ([0, 1, 2], 0)
     # The worker writes K/V in the step with fence 1 and commits the full blocks under it.
     assert m.commit(s, r1.seq_id, fence=1) == 2
-    # Before fence 1 completes the blocks are sealed but invisible: a lookup misses.
-    assert m.lookup(s, SCOPE, SYSTEM + [7, 7, 7]) == 0
+    # Before fence 1 completes the blocks are sealed but invisible to every other session
+    # (another worker's kernels are not ordered after this step's): its lookup misses.
+    other = m.open_session("acme")
+    assert m.lookup(other, SCOPE, SYSTEM + [7, 7, 7]) == 0
     assert m.block_state(0) == "committed"
     m.complete_fence(s, 1)
-    assert m.lookup(s, SCOPE, SYSTEM + [7, 7, 7]) == 8
+    assert m.lookup(other, SCOPE, SYSTEM + [7, 7, 7]) == 8
     # Request 2 shares the system prompt: it gets blocks 0 and 1, refcount 2, and a new block.
     r2 = m.admit(s, SCOPE, SYSTEM + [4, 5])
     assert (r2.block_table, r2.num_cached_tokens) == ([0, 1, 3], 8)

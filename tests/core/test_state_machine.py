@@ -294,10 +294,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(list(self.seqs)), label="sequence")
         return sid, self.seqs[sid]
 
-    def best_hit_blocks(self, ns: tuple, prompt: list[int]) -> int:
-        """Upper bound of a correct hit: leading blocks some hittable block holds exactly."""
+    def pending_hittable(self, sid: str) -> dict[int, tuple]:
+        """Blocks the session committed under a fence not yet complete: hittable by that
+        session's own admissions only (its worker orders its kernels after the K/V write)."""
+        return {b: ns for _f, kind, blocks, ns in self.sessions[sid].events if kind == "commit"
+                for b in blocks}
+
+    def best_hit_blocks(self, ns: tuple, prompt: list[int], sid: str) -> int:
+        """Upper bound of a correct hit: leading blocks some block hittable by the session
+        holds exactly."""
         by_content: set[tuple] = set()
-        for b, bns in self.hittable.items():
+        for b, bns in (self.hittable | self.pending_hittable(sid)).items():
             if bns == ns:
                 by_content.add(tuple(self.sim.get(b * self.B + o) for o in range(self.B)))
         n = 0
@@ -370,10 +377,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         h = res.num_cached_tokens // B
         self.seen.add("admit hit" if h else "admit miss")
         hits, new = res.block_table[:h], res.block_table[h:]
+        own_pending = self.pending_hittable(sid)
         for i, b in enumerate(hits):
-            assert self.hittable.get(b) == ns, (
-                f"hit block {b} is not a completed commit in namespace {ns} "
-                f"(model: {self.hittable.get(b)})")
+            if b not in self.hittable:
+                self.seen.add("admit hit on the session's own pending commit")
+            assert self.hittable.get(b) == ns or own_pending.get(b) == ns, (
+                f"hit block {b} is neither a completed commit nor this session's pending one "
+                f"in namespace {ns} (model: {self.hittable.get(b)}, {own_pending.get(b)})")
             for p in range(i * B, (i + 1) * B):
                 got = self.sim.get(b * B + p % B)
                 assert got == (ns, tuple(prompt[: p + 1])), (
@@ -664,7 +674,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         n = m.lookup(sid, scope, prompt)
         assert self.snapshot() == before, "lookup changed the manager"
         assert n % self.B == 0 and 0 <= n < len(prompt)
-        bound = self.best_hit_blocks(self.ns_of(self.session_tenant[sid], scope), prompt)
+        bound = self.best_hit_blocks(self.ns_of(self.session_tenant[sid], scope), prompt, sid)
         assert n // self.B <= bound, f"lookup reports {n} tokens, only {bound} blocks are valid"
 
     @rule(data=st.data())
