@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) bench/cpu_paged_vs_sdpa.py
 	$(PY) bench/fairness.py
 	$(PY) bench/isolation.py
+	$(PY) bench/vllm_connector.py
 
 proto: $(STAMP)
 	$(PY) tools/gen_proto.py

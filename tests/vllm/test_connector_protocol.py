@@ -1,0 +1,127 @@
+"""The connector's two roles driven call by call, as vLLM's scheduler and model runner call them,
+with vLLM's own ``Request``, ``SchedulerOutput`` and ``KVConnectorOutput`` and a real daemon.
+
+The engine tests (test_connector*.py) show the whole; this pins down orders of events an engine
+run only hits by chance, e.g. blockd dying between the scheduler's query for one request (whose
+hit was promised to vLLM) and the next one: the promised loads must still run, from the worker's
+mapping, or a token would change.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_connector_faults import _connector  # vLLM's own factory builds both roles
+from vllm_support import connector_config, start_daemon
+
+B = 32
+
+
+def request(rid: str, tokens: list[int]):  # type: ignore[no-untyped-def]
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None)
+
+
+def step(scheduled: list[tuple[object, list[int], int, int]]):  # type: ignore[no-untyped-def]
+    """A SchedulerOutput of new requests: (request, its vLLM blocks, computed, scheduled)."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new = [NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                          mm_features=[], sampling_params=None, pooling_params=None,
+                          block_ids=(blocks,), num_computed_tokens=c, lora_request=None)
+           for r, blocks, c, _ in scheduled]
+    cached = CachedRequestData(req_ids=[], resumed_req_ids=set(), new_token_ids=[],
+                               all_token_ids={}, new_block_ids=[], num_computed_tokens=[],
+                               num_output_tokens=[])
+    n = {r.request_id: s for r, _, _, s in scheduled}
+    return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                           finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+class Blocks:
+    """vLLM's KV cache of the tiny model on the CPU backend: per layer [blocks, H, B, 2D]."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(16, 2, B, 64, generator=g)
+                       for i in range(2)}
+
+    def same(self, a: int, b: int) -> bool:
+        return all(torch.equal(t[a], t[b]) for t in self.caches.values())
+
+
+def run_worker(worker, meta) -> object:  # type: ignore[no-untyped-def]
+    """What the model runner does with a step's metadata; returns the KVConnectorOutput."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name in worker.worker.views:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    out = KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                            invalid_block_ids=worker.get_block_ids_with_load_errors())
+    worker.clear_connector_metadata()
+    return out
+
+
+def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_dir: Path
+                                                          ) -> None:
+    d = start_daemon(tmp_path / "blockd", lease_ms=5000)
+    extra = connector_config(d, "acme", "alice", rpc_timeout_s=0.5,
+                             retry_interval_s=60.0)["kv_connector_extra_config"]
+    sched = _connector(model_dir, extra, "SCHEDULER")
+    worker = _connector(model_dir, extra, "WORKER")
+    kv = Blocks()
+    worker.register_kv_caches(kv.caches)
+    try:
+        prompt = list(range(1, 101))  # 3 full blocks + 4 tokens
+        r0 = request("r0", prompt)
+        assert sched.get_num_new_matched_tokens(r0, 0) == (0, False)
+        vblocks = {"r0": [0, 1, 2, 3], "r1": [4, 5, 6, 7]}
+        sched.scheduler.block_ids_of = lambda rid: (vblocks[rid],)
+        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        out = run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
+        sched.update_connector_output(out)
+        sched.request_finished(r0, [0, 1, 2, 3])
+        sched.build_connector_meta(step([]))  # commit + release, behind this step's fence
+        time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
+        r1 = request("r1", prompt[:96] + [7] * 10)
+        assert sched.get_num_new_matched_tokens(r1, 0) == (96, False)  # hit, pinned
+        d.proc.kill()  # blockd dies between two queries of one schedule
+        d.proc.wait()
+        r2 = request("r2", [9] * 80)
+        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # degraded
+        assert sched.scheduler.degraded
+        sched.update_state_after_alloc(r1, _blocks(vblocks["r1"]), 96)
+        meta = sched.build_connector_meta(step([(r1, vblocks["r1"], 96, 10)]))
+        assert meta.load_vllm == [4, 5, 6] and not meta.save_vllm
+        for t in kv.caches.values():
+            t[4:7].zero_()
+        out = run_worker(worker, meta)
+        assert not out.invalid_block_ids
+        assert kv.same(4, 0) and kv.same(5, 1) and kv.same(6, 2)  # what vLLM was promised
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
+def _blocks(ids: list[int]):  # type: ignore[no-untyped-def]
+    """vLLM's KVCacheBlocks of one group, from its own classes."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+@pytest.fixture(autouse=True)
+def _vllm(model_dir: Path) -> None:
+    """(model_dir skips the module when vLLM is not importable)"""
