@@ -114,6 +114,47 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
         d.stop()
 
 
+def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, model_dir: Path
+                                                             ) -> None:
+    """acme may hold 4 blocks: a 3-block prompt is saved; a 6-block prompt sharing its first 2
+    full blocks does not fit, so the connector pins and loads only those (no saves), and a
+    prompt with nothing cached simply computes; never an error."""
+    d = start_daemon(tmp_path / "blockd", acme_quota=4)
+    extra = connector_config(d, "acme", "alice")["kv_connector_extra_config"]
+    sched = _connector(model_dir, extra, "SCHEDULER")
+    worker = _connector(model_dir, extra, "WORKER")
+    kv = Blocks()
+    worker.register_kv_caches(kv.caches)
+    vblocks = {"r0": [0, 1, 2], "r1": [3, 4, 5, 6, 7, 8]}
+    sched.scheduler.block_ids_of = lambda rid: (vblocks[rid],)
+    try:
+        prefix = list(range(1, 65))
+        r0 = request("r0", prefix + [5] * 6)  # 2 full blocks + 6 tokens
+        assert sched.get_num_new_matched_tokens(r0, 0) == (0, False)
+        sched.update_state_after_alloc(r0, _blocks(vblocks["r0"]), 0)
+        out = run_worker(worker, sched.build_connector_meta(step([(r0, vblocks["r0"], 0, 70)])))
+        sched.update_connector_output(out)
+        sched.request_finished(r0, vblocks["r0"])
+        sched.build_connector_meta(step([]))
+        time.sleep(0.3)
+        r1 = request("r1", prefix + [6] * 120)  # 5 full blocks + 24 tokens: over the quota
+        assert sched.get_num_new_matched_tokens(r1, 0) == (64, False)
+        assert sched.scheduler.counters["admit_no_room"] == 1
+        sched.update_state_after_alloc(r1, _blocks(vblocks["r1"]), 64)
+        meta = sched.build_connector_meta(step([(r1, vblocks["r1"], 64, 120)]))
+        assert meta.load_vllm == [3, 4] and meta.save_vllm == []
+        for t in kv.caches.values():
+            t[3:5].zero_()
+        run_worker(worker, meta)
+        assert kv.same(3, 0) and kv.same(4, 1)
+        r2 = request("r2", [8] * 300)
+        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
 def _blocks(ids: list[int]):  # type: ignore[no-untyped-def]
     """vLLM's KVCacheBlocks of one group, from its own classes."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -40,11 +40,16 @@ TENANTS = {
 
 
 def start_daemon(workdir: Path, *, num_blocks: int = 1024, state_dir: Path | None = None,
-                 lease_ms: int = 3000) -> daemon_proc.Daemon:
+                 lease_ms: int = 3000, acme_quota: int | None = None) -> daemon_proc.Daemon:
     extra: dict[str, Any] = {"pool": dict(POOL)}
     if state_dir is not None:
         extra["state"] = {"dir": str(state_dir)}
-    d = daemon_proc.start(workdir, num_blocks=num_blocks, tenants=TENANTS, extra=extra,
+    tenants = TENANTS
+    if acme_quota is not None:
+        tenants = {**TENANTS, "tenants": [{**t, "quota_blocks": acme_quota}
+                                          if t["id"] == "acme" else t
+                                          for t in TENANTS["tenants"]]}
+    d = daemon_proc.start(workdir, num_blocks=num_blocks, tenants=tenants, extra=extra,
                           lease_ms=lease_ms)
     for who, token in TOKENS.items():
         (workdir / f"{who}.token").write_text(token + "\n")
