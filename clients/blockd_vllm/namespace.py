@@ -108,7 +108,8 @@ class EngineNamespace:
                                tokenizer_digest=self.tokenizer_digest)
         lora = getattr(request, "lora_request", None)
         if lora is not None:
-            ns.lora_id = lora_id(lora.lora_name, getattr(lora, "lora_path", "") or "")
+            ns.lora_id = lora_id(lora.lora_name, getattr(lora, "lora_path", "") or "",
+                                 getattr(lora, "lora_int_id", 0))
         salt = getattr(request, "cache_salt", None)
         if salt:
             ns.cache_salt = salt.encode() if isinstance(salt, str) else bytes(salt)
@@ -116,8 +117,9 @@ class EngineNamespace:
 
 
 @lru_cache(maxsize=256)
-def lora_id(name: str, path: str) -> str:
+def lora_id(name: str, path: str, int_id: int = 0) -> str:
     """An adapter's id: its name plus a fingerprint of its files (a re-trained adapter under
-    the same name never hits the old one's K/V)."""
+    the same name never hits the old one's K/V). Computed once per vLLM adapter id, as vLLM
+    loads an adapter once per ``lora_int_id``: new weights reach vLLM under a new id."""
     digest = fingerprint(path) if path else ""
     return f"{name}@{digest[:16]}" if digest else name

@@ -20,11 +20,11 @@ from vllm_support import connector_config, start_daemon
 B = 32
 
 
-def request(rid: str, tokens: list[int]):  # type: ignore[no-untyped-def]
+def request(rid: str, tokens: list[int], **kw: object):  # type: ignore[no-untyped-def]
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(rid, tokens, SamplingParams(max_tokens=4), None)
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None, **kw)
 
 
 def step(scheduled: list[tuple[object, list[int], int, int]]):  # type: ignore[no-untyped-def]
@@ -149,6 +149,53 @@ def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, mod
         assert kv.same(3, 0) and kv.same(4, 1)
         r2 = request("r2", [8] * 300)
         assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
+def test_lora_and_salt_decide_sharing(tmp_path: Path, model_dir: Path) -> None:
+    """A prefix computed under LoRA adapter "a" is hit only under "a" with the same adapter
+    files: not by the base model, not by "a" retrained (same name, other weights), not by
+    another salt (vLLM's own LoRARequest and Request.cache_salt)."""
+    from vllm.lora.request import LoRARequest
+
+    adapter = tmp_path / "lora-a"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-v1")
+    d = start_daemon(tmp_path / "blockd")
+    extra = connector_config(d, "acme", "alice")["kv_connector_extra_config"]
+    sched = _connector(model_dir, extra, "SCHEDULER")
+    worker = _connector(model_dir, extra, "WORKER")
+    worker.register_kv_caches(Blocks().caches)
+    sched.scheduler.block_ids_of = lambda rid: ([0, 1, 2, 3],)
+    prompt = list(range(1, 101))
+    n = iter(range(100))
+
+    def hit(**kw: object) -> int:
+        r = request(f"r{next(n)}", prompt, **kw)
+        got, _ = sched.get_num_new_matched_tokens(r, 0)
+        sched.update_state_after_alloc(r, _blocks([0, 1, 2, 3]), got)
+        out = run_worker(worker, sched.build_connector_meta(step([(r, [0, 1, 2, 3], got,
+                                                                  100 - got)])))
+        sched.update_connector_output(out)
+        sched.request_finished(r, [0, 1, 2, 3])
+        sched.build_connector_meta(step([]))
+        time.sleep(0.3)
+        return got
+
+    lora_a = LoRARequest("a", 1, str(adapter))
+    try:
+        assert hit(lora_request=lora_a) == 0  # computed and saved under "a"
+        assert hit(lora_request=lora_a) == 96
+        assert hit() == 0  # the base model: saved now under no adapter
+        assert hit() == 96
+        assert hit(lora_request=lora_a, cache_salt="s1") == 0
+        (adapter / "adapter_model.safetensors").write_bytes(b"weights-v2-retrained")
+        retrained = LoRARequest("a", 2, str(adapter))  # same name, new weights, new vLLM id
+        assert hit(lora_request=retrained) == 0
     finally:
         worker.shutdown()
         sched.shutdown()
