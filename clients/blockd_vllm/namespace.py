@@ -48,7 +48,6 @@ def _file_digest(h: Any, path: Path) -> None:
             h.update(f.read(_EDGE))
 
 
-@lru_cache(maxsize=64)
 def fingerprint(directory: str, names: tuple[str, ...] = (),
                 suffixes: tuple[str, ...] = WEIGHT_SUFFIXES) -> str:
     """A short digest of a directory's files: those in ``names``, else those ending in
