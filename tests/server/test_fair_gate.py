@@ -105,3 +105,30 @@ def test_a_cancelled_waiter_is_skipped_and_loses_nothing_for_others() -> None:
 def test_quantum_must_be_positive() -> None:
     with pytest.raises(ValueError):
         FairGate(quantum=0)
+
+
+def test_work_spent_inside_a_turn_makes_the_tenant_wait_more_visits() -> None:
+    """A call priced low at its turn (a request priced by its bytes) that then spends more (its
+    parsed work) pays it from its tenant's deficit: its next call waits for the visits that
+    pay the debt back, while the other tenant is served each visit."""
+
+    async def run(extra: int) -> list[str]:
+        gate = FairGate(quantum=1000)
+        served: list[str] = []
+
+        async def call(i: int, key: str) -> None:
+            async with gate.turn(key, 0) as spend:  # CALL_UNITS each: 3 per visit
+                served.append(f"{key}{i}")
+                if key == "a" and i == 0:
+                    spend(extra)
+
+        await asyncio.gather(*(call(i, "a") for i in range(2)),
+                             *(call(i, "b") for i in range(2, 14)))
+        return served
+
+    assert asyncio.run(run(0))[:5] == ["a0", "a1", "b2", "b3", "b4"]
+    # a's deficit: 1000 - 256 - 2000 = -1256; two more visits (+1000 each) before a1 fits,
+    # while b is served 3 calls, then 4 (its 232 units left over and a quantum).
+    order = asyncio.run(run(2000))
+    assert order == ["a0", "b2", "b3", "b4", "b5", "b6", "b7", "b8", "a1"] + [
+        f"b{i}" for i in range(9, 14)], order
