@@ -41,3 +41,13 @@ def other_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_support import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny-llama-2") / "model", seed=1)
+
+
+@pytest.fixture(scope="session")
+def alone(model_dir: Path):  # type: ignore[no-untyped-def]
+    """vLLM alone, no connector: the tokens every engine on blockd must produce (one engine
+    for the whole session: start-ups are the suite's main cost)."""
+    from vllm_support import Engine
+
+    with Engine(model_dir) as e:
+        yield e

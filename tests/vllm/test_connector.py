@@ -28,13 +28,6 @@ def workload() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def alone(model_dir: Path) -> Iterator[Engine]:
-    """vLLM alone, no connector: the tokens every other engine must produce."""
-    with Engine(model_dir) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
 def baseline(alone: Engine, workload: list[list[int]]) -> dict:
     return alone.generate(workload)
 

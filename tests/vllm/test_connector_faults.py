@@ -22,12 +22,6 @@ from vllm_support import (
 )
 
 
-@pytest.fixture(scope="module")
-def alone(model_dir: Path) -> Iterator[Engine]:
-    with Engine(model_dir) as e:
-        yield e
-
-
 def full_hits(prompts: list[list[int]]) -> list[int]:
     return [(len(p) - 1) // 32 * 32 for p in prompts]
 
@@ -41,15 +35,20 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
     return False
 
 
-def test_daemon_killed_mid_run_and_restarted(tmp_path: Path, model_dir: Path,
-                                             alone: Engine) -> None:
+def test_daemon_killed_mid_run_then_restarted_same_and_new_epoch(tmp_path: Path,
+                                                                 model_dir: Path,
+                                                                 alone: Engine) -> None:
+    """One engine through three daemon lives: SIGKILL mid-round, a restart on the state dir
+    (same epoch: the cache is used again), a SIGKILL and a restart without it (a new epoch: the
+    session re-attaches, then hits again). Every round's tokens equal vLLM alone's."""
     state = tmp_path / "state"
     work = tmp_path / "blockd"
     d = start_daemon(work, state_dir=state)
     engine = Engine(model_dir, connector_config(d, "acme", "alice", retry_interval_s=0.5))
     try:
         warm = shared_prefix_workload(seed=21)
-        assert engine.generate(warm)["tokens"] == alone.generate(warm)["tokens"]
+        want_warm = alone.generate(warm)["tokens"]
+        assert engine.generate(warm)["tokens"] == want_warm
         epoch = stats(d).epoch
         # SIGKILL while a round is running: every request still completes, same tokens.
         during = shared_prefix_workload(seed=22, n=12)
@@ -70,34 +69,19 @@ def test_daemon_killed_mid_run_and_restarted(tmp_path: Path, model_dir: Path,
         # Back on its state dir: the same epoch, and the connector uses the cache again.
         d = start_daemon(work, state_dir=state)
         assert stats(d).epoch == epoch
-        again = []
+        again: list = []
         assert wait_for(lambda: (again.append(engine.generate(warm)) or
                                  again[-1]["num_cached"] == full_hits(warm)), timeout=60)
-        assert again[-1]["tokens"] == alone.generate(warm)["tokens"]
-    finally:
-        engine.stop()
-        d.stop()
-
-
-def test_daemon_restarted_in_a_new_epoch(tmp_path: Path, model_dir: Path,
-                                         alone: Engine) -> None:
-    work = tmp_path / "blockd"
-    d = start_daemon(work)
-    engine = Engine(model_dir, connector_config(d, "acme", "alice", retry_interval_s=0.5))
-    try:
-        prompts = shared_prefix_workload(seed=31)
-        want = alone.generate(prompts)["tokens"]
-        engine.generate(prompts)
-        old = stats(d).epoch
+        assert all(r["tokens"] == want_warm for r in again)
+        # Killed again and restarted without its state: a new pool, a new epoch.
         d.proc.kill()
         d.proc.wait()
-        d = start_daemon(work)  # no state dir: a new pool, a new epoch
-        assert stats(d).epoch != old
-        rounds = []
-        # First rounds after: the session re-attaches, nothing cached yet; then hits again.
-        assert wait_for(lambda: (rounds.append(engine.generate(prompts)) or
-                                 rounds[-1]["num_cached"] == full_hits(prompts)), timeout=60)
-        assert all(r["tokens"] == want for r in rounds)
+        d = start_daemon(work)
+        assert stats(d).epoch != epoch
+        rounds: list = []
+        assert wait_for(lambda: (rounds.append(engine.generate(warm)) or
+                                 rounds[-1]["num_cached"] == full_hits(warm)), timeout=60)
+        assert all(r["tokens"] == want_warm for r in rounds)
     finally:
         engine.stop()
         d.stop()
