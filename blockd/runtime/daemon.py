@@ -29,7 +29,7 @@ from blockd.core.ids import SequenceIds
 from blockd.core.tenants import SHARED_PARTITION, partition_layout
 from blockd.pools.base import Pool
 from blockd.runtime import convert, step, tenants_file
-from blockd.runtime.budgets import WorkBudgets, charge_key
+from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key, parse_units
 from blockd.runtime.events import EventLog
 from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.partitions import Partitions, build_pools, close_pools
@@ -389,6 +389,18 @@ class Daemon:
             info = self.sessions.find(session_id)
             tenant_id = info.tenant_id if info is not None else ""
         return charge_key(principal, tenant_id)
+
+    def charge_bytes(self, principal: Principal, key: str, session_id: str, nbytes: int
+                     ) -> None:
+        """Before a Step or Lookup is parsed, in its turn: its bytes' ``parse_units`` from the
+        budget of its gate key; refused for rate (nothing parsed), the caller's own session
+        still counts as alive, as for a Step refused for rate after parsing."""
+        try:
+            self.budgets.charge(key, parse_units(nbytes))
+        except OverBudget:
+            if (info := self.sessions.find(session_id)) and info.owner == principal.name:
+                self.sessions.renew(info)
+            raise
 
     def stats(self, principal: Principal) -> pb.StatsResponse:
         """The pool's shape and block states (the capacity a worker schedules against), and

@@ -18,8 +18,9 @@ by the gate, not by which task the loop ran first. asyncio only: no grpc here.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -59,8 +60,13 @@ class FairGate:
         return sum(len(t.waiting) for t in self._tenants.values())
 
     @asynccontextmanager
-    async def turn(self, key: str, cost: int) -> AsyncIterator[None]:
-        """Wait for ``key``'s turn, hold it for the body, then hand it on."""
+    async def turn(self, key: str, cost: int) -> AsyncIterator[Callable[[int], None]]:
+        """Wait for ``key``'s turn, hold it for the body, then hand it on.
+
+        The body gets ``spend(units)``: work found only once the turn was taken (a request
+        parsed in its turn, priced by its bytes until then), taken from the tenant's deficit
+        now (it may go below zero: its next calls wait for more visits). A tenant that leaves
+        the ring (no call waiting) leaves its deficit, or debt, with it, as in DRR."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         t = self._tenants.get(key)
@@ -76,9 +82,13 @@ class FairGate:
                 self._release(loop)  # granted, then cancelled before it ran: hand it on
             raise  # a cancelled waiter stays queued until a dispatch drops it
         try:
-            yield
+            yield functools.partial(self._spend, t)
         finally:
             self._release(loop)
+
+    @staticmethod
+    def _spend(t: _Tenant, units: int) -> None:
+        t.deficit -= max(0, units)
 
     def _release(self, loop: asyncio.AbstractEventLoop) -> None:
         self._busy = False

@@ -58,6 +58,36 @@ ENTRY_UNITS = 8
 ATTACH_UNITS = 1024
 
 
+#: The longest session id ``leading_session_id`` reads (minted ids are 24 characters): its
+#: length fits one varint byte.
+MAX_PEEKED_SESSION_ID = 127
+
+
+def leading_session_id(raw: bytes) -> str:
+    """The session id of a serialized StepRequest or LookupRequest, read without parsing it.
+
+    The server takes a request's turn, and charges its bytes, before it parses it (so the
+    parse runs in the tenant's own turn), which needs the tenant first: the session id is
+    field 1 (a length-delimited string), which every protobuf encoder writes first. Only that
+    leading field is read, in O(1): anything else (no leading field 1, an over-long or
+    non-UTF-8 id, a truncated length) gives ``""``, and the call queues under its
+    credential's own name. The parse decides what the request means; this only chooses whose
+    turn and budget it waits for, among the tenants its caller acts for.
+    """
+    if len(raw) < 2 or raw[0] != 0x0A:  # field 1, wire type 2
+        return ""
+    n = raw[1]
+    if n > MAX_PEEKED_SESSION_ID:  # a multi-byte length (>= 0x80): longer than any id
+        return ""
+    data = raw[2:2 + n]
+    if len(data) != n:
+        return ""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return ""
+
+
 @dataclass(frozen=True, slots=True)
 class Tally:
     """A Step's counts, read once from the request (nothing parsed or applied): what it costs

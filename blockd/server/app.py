@@ -29,7 +29,6 @@ from grpc_reflection.v1alpha import reflection
 
 from blockd import logs, wire
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.config import Config, ServerConfig
 from blockd.core.errors import FailedPrecondition, Internal
 from blockd.pools.handles import HandleServer
@@ -44,7 +43,7 @@ from blockd.server.endpoints import (
     tls_credentials,
 )
 from blockd.server.metrics import Metrics, serve_http
-from blockd.server.servicer import BlockdServicer
+from blockd.server.servicer import BlockdServicer, add_to_server
 
 log = logging.getLogger("blockd.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockdService"].full_name
@@ -82,7 +81,7 @@ def _grpc_server(sc: ServerConfig, servicer: BlockdServicer
         ("grpc.max_send_message_length", sc.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_BlockdServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)  # Step, StepStream, Lookup: parsed in their turn
     if sc.enable_echo:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             "blockd.bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(_echo)}),))

@@ -12,6 +12,12 @@ ListSequences, GetBlockTable, Inspect, Stats, FlushNamespace) first takes its te
 the daemon's fair gate (``blockd.runtime.fair_gate``), priced by its work units: turns go round
 the tenants, so one tenant's queued calls never make another's wait behind all of them.
 Heartbeat and Detach take no turn: they are cheap, keep leases alive and give resources back.
+
+Step, StepStream and Lookup requests reach their handlers as bytes (``add_to_server``): gRPC
+would otherwise parse them before any handler runs, outside every turn, so a tenant's flood of
+large requests would hold the loop in parsing however the gate orders the calls. Their turn is
+taken on the bytes (queued by the leading session id, priced by size), their bytes are charged
+to the tenant's budget, and only then are they parsed.
 """
 
 from __future__ import annotations
@@ -21,17 +27,18 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import Message
 
 from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.core.errors import BlockdError
+from blockd.core.errors import BlockdError, InvalidArgument
 from blockd.runtime import listing, step
-from blockd.runtime.budgets import OverBudget
+from blockd.runtime.budgets import OverBudget, parse_units
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.fair_gate import FairGate
 from blockd.runtime.tenants_file import Principal
@@ -40,6 +47,7 @@ from blockd.server.status import details, grpc_status
 
 log = logging.getLogger("blockd.servicer")
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 
 
 def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -90,20 +98,47 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                         ) -> pb.HeartbeatResponse:
         return self.d.heartbeat(self._caller(context), request)
 
+    def _raw_caller(self, context: Any, raw: bytes, cls: type[M], what: str) -> Principal:
+        """The caller of a raw request. A caller that cannot be authenticated has no turn to
+        parse in, and gets what it got when gRPC parsed first: INVALID_ARGUMENT for bytes
+        that do not parse (parsed here, as before, outside any turn), else its own refusal."""
+        try:
+            return self._caller(context)
+        except BlockdError:
+            _parse(cls, raw, what)
+            raise
+
+    @asynccontextmanager
+    async def _raw_turn(self, p: Principal, raw: bytes, cls: type[M], what: str
+                        ) -> AsyncIterator[tuple[M, Callable[[int], None]]]:
+        """A Step's or Lookup's turn, taken on its raw bytes (``RAW_REQUESTS``): queued under
+        the tenant of its leading session id (``step.leading_session_id``) and priced by its
+        size, its bytes charged to that budget before it is parsed (``charge_bytes``: over
+        budget, it is refused unparsed), then parsed; malformed bytes are INVALID_ARGUMENT.
+        The body gets the request and ``spend`` for its work beyond its bytes' price."""
+        if isinstance(raw, Message):  # registered with the generated deserializers
+            raw = raw.SerializeToString()
+        sid = step.leading_session_id(raw)
+        key = self.d.gate_key(p, session_id=sid)
+        async with self.gate.turn(key, parse_units(len(raw))) as spend:
+            self.d.charge_bytes(p, key, sid, len(raw))
+            yield _parse(cls, raw, what), spend
+
     @_rpc
-    async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+    async def Step(self, request: bytes, context: Any) -> pb.StepResponse:
         return await self._step(request, context)
 
-    async def _step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
-        p = self._caller(context)
-        units = step.tally(request, self.d.spec.block_size).units
-        async with self._turn(p, units, session_id=request.session_id):
+    async def _step(self, raw: bytes, context: Any) -> pb.StepResponse:
+        p = self._raw_caller(context, raw, pb.StepRequest, "a StepRequest")
+        async with self._raw_turn(p, raw, pb.StepRequest, "a StepRequest") as (request, spend):
+            spend(min(step.tally(request, self.d.spec.block_size).units,
+                      self.d.limits.max_work_per_call))  # a Step over the bound is refused
             t0 = time.perf_counter()
             response = self.d.step(p, request)
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
         return response
 
-    async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
+    async def StepStream(self, request_iterator: AsyncIterator[bytes],
                          context: Any) -> AsyncIterator[pb.StepResponse]:
         try:
             async for request in request_iterator:
@@ -112,20 +147,18 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                 finally:
                     self.d.check()
                 yield response
-        except DecodeError:
-            # grpc parses each stream message as the handler iterates: the client's fault.
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "request: a StepRequest on the stream could not be parsed")
         except Exception as exc:
             await _abort(context, exc, "StepStream")
 
     @_rpc
-    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        p = self._caller(context)
+    async def Lookup(self, request: bytes, context: Any) -> pb.LookupResponse:
+        p = self._raw_caller(context, request, pb.LookupRequest, "a LookupRequest")
         spec = self.d.spec
-        units = min(len(request.token_ids), spec.num_blocks * spec.block_size + 1)
-        async with self._turn(p, units, session_id=request.session_id):
-            return self.d.lookup(p, request)
+        async with self._raw_turn(p, request, pb.LookupRequest, "a LookupRequest") as (
+                req, spend):
+            spend(min(len(req.token_ids), spec.num_blocks * spec.block_size + 1,
+                      self.d.limits.max_work_per_call))
+            return self.d.lookup(p, req)
 
     @_rpc
     async def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any
@@ -168,6 +201,40 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         p = self._caller(context)
         async with self._turn(p, step.OP_UNITS, tenant_id=request.tenant_id):
             return self.d.flush(p, request)
+
+
+def _parse(cls: type[M], raw: bytes, what: str) -> M:
+    """``cls`` from the bytes gRPC passed on unparsed: any failure is the client's fault."""
+    try:
+        message: M = cls.FromString(raw)
+    except Exception:  # DecodeError, or a recursion limit hit: never INTERNAL
+        raise InvalidArgument(f"{what} could not be parsed", field="request") from None
+    return message
+
+
+#: RPCs whose requests reach their handlers as bytes, parsed in their tenant's turn
+#: (``BlockdServicer._raw_turn``): the ones a tenant can send large.
+RAW_REQUESTS = frozenset({"Step", "StepStream", "Lookup"})
+
+
+def add_to_server(servicer: BlockdServicer, server: grpc.aio.Server) -> None:
+    """``BlockdService``'s handlers, as the generated ``add_BlockdServiceServicer_to_server``
+    registers them, except that ``RAW_REQUESTS`` get no request deserializer (bytes)."""
+    service = pb.DESCRIPTOR.services_by_name["BlockdService"]
+    handlers = {}
+    for rpc in service.methods:
+        kind = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                }[(rpc.client_streaming, rpc.server_streaming)]
+        parse = None if rpc.name in RAW_REQUESTS else getattr(pb, rpc.input_type.name).FromString
+        handlers[rpc.name] = kind(getattr(servicer, rpc.name), request_deserializer=parse,
+                                response_serializer=getattr(pb, rpc.output_type.name)
+                                .SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 async def _abort(context: Any, exc: Exception, where: str) -> None:
