@@ -40,6 +40,8 @@ def _check_tables_and_fences(m: BlockManager) -> tuple[Counter[int], Counter[int
                  f"sequence {seq.id}: {len(seq.table)} blocks for {seq.num_tokens} tokens")
         _require(len(set(seq.table)) == len(seq.table), "a table names a block twice")
         refs.update(seq.table)
+    walk = sum(len(seq.table) * B - seq.num_tokens for seq in m.sequences.values())
+    _require(m.tail.tokens == walk, f"tail waste total {m.tail.tokens}, the walk says {walk}")
     per_session = Counter(seq.session for seq in m.sequences.values())
     pends: Counter[int] = Counter()
     for session in m.sessions.values():

@@ -34,25 +34,16 @@ from blockd.core.events import EventSink
 from blockd.core.fences import FenceLedger, Session
 from blockd.core.ids import SequenceIds
 from blockd.core.namespace import Namespace, NamespaceTable, PrefixScope
-from blockd.core.preemption import MAX_REMEMBERED, VictimChooser
+from blockd.core.preemption import MAX_REMEMBERED, VictimChooser, preemption_on
 from blockd.core.prefix_index import HashFactory, PrefixIndex
 from blockd.core.queries import CoreQueries
 from blockd.core.results import AdmitResult, AppendResult, BatchAppend, CopyOp, Counters, DoesNotFit
-from blockd.core.sequence import Sequence, append_in_place, as_token_bytes
+from blockd.core.sequence import Sequence, TailWaste, append_in_place, as_token_bytes
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import TenantPolicy, TenantTable
 
 #: Most children one fork may create.
 MAX_FORK = 64
-#: Preemption settings ``BlockManager(preemption=...)`` accepts.
-PREEMPTION_MODES = ("priority", "off")
-
-
-def _preemption_on(mode: str) -> bool:
-    if mode not in PREEMPTION_MODES:
-        raise InvalidArgument(f"preemption must be 'priority' or 'off', got {mode!r}",
-                              field="preemption")
-    return mode == "priority"
 
 
 class BlockManager(CoreQueries):
@@ -71,7 +62,7 @@ class BlockManager(CoreQueries):
         ids: SequenceIds | None = None,
         preemption: str = "priority",
     ) -> None:
-        self.preempt = _preemption_on(preemption)
+        self.preempt = preemption_on(preemption)
         self.spec = spec
         self.block_size = spec.block_size
         self.num_blocks = spec.num_blocks
@@ -90,6 +81,7 @@ class BlockManager(CoreQueries):
         self.sessions: dict[str, Session] = {}
         #: Live sequences in admission order (preemption relies on that order).
         self.sequences: dict[str, Sequence] = {}
+        self.tail = TailWaste()
         self.victims = VictimChooser(self.blocks, self.tenants, self.sequences, self.counters)
         self.ids = ids if ids is not None else SequenceIds()
 
@@ -110,7 +102,7 @@ class BlockManager(CoreQueries):
     def reconfigure(self, *, enable_prefix_cache: bool, scrub_always: bool,
                     preemption: str) -> None:
         """Apply the settings of a (re)started daemon; blocks, sequences and sessions stay."""
-        self.preempt = _preemption_on(preemption)
+        self.preempt = preemption_on(preemption)
         self.enable_prefix_cache = enable_prefix_cache
         self.admission.scrub_always = scrub_always
 
@@ -236,6 +228,7 @@ class BlockManager(CoreQueries):
             # uncommitted block on.
             seq.tokens = bytearray(raw[len(hits) * self.index.chunk_bytes:])
         seq.num_tokens = length
+        self.tail.tokens += len(seq.table) * B - length
         self.sequences[seq.id] = seq
         session.num_sequences += 1
         self.admission.charge(seq.tenant, 1, len(seq.table), B)
@@ -252,7 +245,7 @@ class BlockManager(CoreQueries):
         this sequence's reference under ``fence`` (the copy reads it during this step).
         """
         done = append_in_place(self.sessions.get(session_id), self.sequences.get(seq_id),
-                               tokens, fence, self.block_size, self.blocks.ref)
+                               tokens, fence, self.block_size, self.blocks.ref, self.tail)
         if done is not None:
             return done
         session = self._session(session_id)
@@ -290,6 +283,7 @@ class BlockManager(CoreQueries):
         if counts is None:
             # Decode: one token each. A sequence whose last block has room and is not shared
             # writes in place: the hot path touches nothing but the sequence.
+            slow = 0
             for i, seq_id in enumerate(seq_ids):
                 seq = get(seq_id)
                 if seq is not None and seq.session == sid:
@@ -299,8 +293,10 @@ class BlockManager(CoreQueries):
                             seq.tokens += token_bytes[4 * i:4 * i + 4]
                         seq.num_tokens = num_tokens[i] = old + 1
                         continue
+                slow += 1
                 self._append_entry(session, seq, i, token_bytes[4 * i:4 * i + 4], fence, out,
                                    seq_id)
+            self.tail.tokens -= n - slow  # the in-place ones (``_append`` counts the others)
         else:
             off = 0
             for i, seq_id in enumerate(seq_ids):
@@ -374,6 +370,7 @@ class BlockManager(CoreQueries):
         if seq.cache:
             seq.tokens += raw
         seq.num_tokens = old_len + n
+        self.tail.tokens += (len(table) - old_blocks) * B - n
         return AppendResult(start, table[start:].tolist(), seq.num_tokens, copy)
 
     def fork(self, session_id: str, seq_id: str, num_children: int = 1) -> list[str]:
@@ -398,6 +395,7 @@ class BlockManager(CoreQueries):
         for b in parent.table:
             ref[b] += num_children
         session.num_sequences += num_children
+        self.tail.tokens += num_children * (blocks * self.block_size - parent.num_tokens)
         self.admission.charge(session.tenant, num_children, blocks, self.block_size)
         self.namespaces.incref(parent.ns, num_children)
         return children
@@ -472,6 +470,7 @@ class BlockManager(CoreQueries):
         table = seq.table
         self.fences.drop_refs(session, table, fence)
         del self.sequences[seq.id]
+        self.tail.tokens -= len(table) * self.block_size - seq.num_tokens
         session.num_sequences -= 1
         self.admission.charge(seq.tenant, -1, len(table), self.block_size)
         self.namespaces.decref(seq.ns)

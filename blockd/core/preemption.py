@@ -35,6 +35,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from blockd.core.blocks import PENDING, BlockArrays
+from blockd.core.errors import InvalidArgument
 from blockd.core.results import Counters, DoesNotFit
 from blockd.core.sequence import Sequence
 from blockd.core.tenants import TenantTable
@@ -47,6 +48,18 @@ MAX_REMEMBERED = 4096
 #: admissions or batch entries from sequences of distinct priorities would otherwise scan
 #: once per refusal.
 SCANS_PER_STEP = 8
+#: Preemption settings ``BlockManager(preemption=...)`` accepts.
+PREEMPTION_MODES = ("priority", "off")
+
+
+def preemption_on(mode: str) -> bool:
+    """Whether ``mode`` (a ``PREEMPTION_MODES`` name) turns preemption on."""
+    if mode not in PREEMPTION_MODES:
+        raise InvalidArgument(f"preemption must be 'priority' or 'off', got {mode!r}",
+                              field="preemption")
+    return mode == "priority"
+
+
 #: The bounded label a preemption notice carries.
 REASON = "priority"
 

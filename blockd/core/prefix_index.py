@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
+from itertools import chain
 from operator import eq
 
 import xxhash
@@ -50,8 +51,9 @@ PINNED = -1
 STALE = -2
 
 #: Preallocated per block: parent(4) + parent's generation(4) + generation(4) + namespace(4)
-#: + the key table's slots (4 bytes each, at most 2 slots per block: ``_table_size``).
-BYTES_PER_BLOCK = 24
+#: + linked to the id below (1, ``_linked``) + the key table's slots (4 bytes each, at most 2
+#: slots per block: ``_table_size``).
+BYTES_PER_BLOCK = 25
 #: Bytes of one key (XXH3-128 digest).
 KEY_BYTES = 16
 _GEN_MASK = 0xFFFFFFFF
@@ -103,6 +105,9 @@ class PrefixIndex:
         self.parent_gen = array("I", bytes(4 * num_blocks))
         #: Interned namespace id (0: not indexed).
         self.ns = array("I", bytes(4 * num_blocks))
+        #: 1 where ``parent[b] == b - 1`` (b >= 1): ``_verify_chain`` finds where a run of
+        #: consecutive block ids starts with one ``rfind`` (a byte per block).
+        self._linked = bytearray(num_blocks)
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
@@ -112,6 +117,10 @@ class PrefixIndex:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
+        if "_linked" not in state:  # a snapshot written before runs were tracked
+            parent = self.parent
+            self._linked = bytearray(b >= 1 and parent[b] == b - 1
+                                     for b in range(self.num_blocks))
         if self._new_hasher is None:
             self._new_hasher = _xxh3
 
@@ -238,30 +247,47 @@ class PrefixIndex:
         and a parent's generation changes whenever it leaves or re-enters the index; so once
         every link's generation matches, every block of the chain has the first one's
         namespace. That saves a pass over the chain on every lookup.
+
+        Cost (issue 17): walked as runs of consecutive ids (what the LIFO free stack mostly
+        hands a prompt), each run found by one ``rfind`` in ``_linked`` and checked by one
+        generation and one token comparison: a few C calls per run, not per block.
         """
         parent = self.parent
-        blocks: list[int] = []
-        append = blocks.append
-        b = last
-        while b >= 0 and len(blocks) < n:
-            append(b)
-            b = parent[b]
-        if b != NO_PARENT or len(blocks) != n:
+        parent_gen = self.parent_gen
+        gen = self.gen
+        run_start = self._linked.rfind
+        step = self.chunk_bytes
+        arena = self._tokens
+        runs: list[range] = []  # the chain's runs of consecutive ids, last run first
+        hi = last
+        pos = n  # blocks of the prefix not yet covered by a run
+        while True:
+            # The run ``lo..hi`` (at most ``pos`` blocks): from the highest block at or below
+            # ``hi`` not linked to the id below it (block 0 never is), else ``pos`` blocks.
+            floor = hi - pos + 1
+            lo = max(run_start(0, max(floor + 1, 0), hi + 1), floor)
+            length = hi - lo + 1
+            pos -= length
+            # Inside the run, each parent must still be the incarnation its child was computed
+            # after (which also means it is still indexed: leaving the index bumps the
+            # generation); the token ids must be the prompt's.
+            if (parent_gen[lo + 1:hi + 1] != gen[lo:hi]
+                    or arena[lo * step:(hi + 1) * step]
+                    != token_bytes[pos * step:(pos + length) * step]):
+                return None
+            runs.append(range(lo, hi + 1))
+            hi = parent[lo]
+            if not pos or hi < 0:
+                break
+            if parent_gen[lo] != gen[hi]:  # the link into this run from the run before it
+                return None
+        if pos or hi != NO_PARENT:
             return None
-        blocks.reverse()
-        # Each parent must still be the incarnation its child was computed after (which also
-        # means it is still indexed: leaving the index bumps the generation).
-        if (n > 1 and list(map(self.parent_gen.__getitem__, blocks[1:]))
-                != list(map(self.gen.__getitem__, blocks[:-1]))):
-            return None
+        runs.reverse()
+        blocks = list(chain.from_iterable(runs))
         if self.ns[blocks[0]] != ns_id:
             return None
         # (The first block is indexed: its namespace id, never 0 for an indexed block, matched.)
-        step = self.chunk_bytes
-        arena = self._tokens
-        stored = b"".join([arena[b * step:(b + 1) * step] for b in blocks])
-        if stored != token_bytes[: n * step]:
-            return None
         return blocks
 
     def _match_linear(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int
@@ -354,6 +380,7 @@ class PrefixIndex:
         self._tokens[block * step:(block + 1) * step] = chunk
         self._count += 1
         self.parent[block] = parent
+        self._linked[block] = parent >= 0 and parent == block - 1
         self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
         self.parent_gen[block] = self.gen[parent] if parent >= 0 else 0
         self.ns[block] = ns_id
@@ -387,6 +414,7 @@ class PrefixIndex:
         slots[i] = _EMPTY
         self._count -= 1
         self.parent[block] = NO_PARENT
+        self._linked[block] = 0
         # A new incarnation: children indexed after the old one no longer chain to it.
         self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
         self.ns[block] = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,8 @@ _EMPTY_CHAIN: list[int] = []
 
 
 def append_in_place(session: Session | None, seq: Sequence | None, tokens: bytes | Seq[int],
-                    fence: int, block_size: int, ref: array[int]) -> AppendResult | None:
+                    fence: int, block_size: int, ref: array[int], tail: TailWaste
+                    ) -> AppendResult | None:
     """The per-token path of ``BlockManager.append``: tokens that fit in the sequence's own
     last, partly filled, unshared block. No block is added, so nothing but the sequence (and
     the fence it names) changes, and there is no table delta to copy. Returns None whenever
@@ -44,7 +46,24 @@ def append_in_place(session: Session | None, seq: Sequence | None, tokens: bytes
     if seq.cache:
         seq.tokens += raw
     seq.num_tokens += n
+    tail.tokens -= n
     return AppendResult(len(seq.table), [], seq.num_tokens)
+
+
+class TailWaste:
+    """Unused token slots in the last blocks of live sequences: ``len(table) * block_size -
+    num_tokens`` summed over them, kept as a running total so a metrics scrape is O(1), not a
+    walk of every sequence (issue 17). The manager's operations adjust it wherever a table or
+    ``num_tokens`` changes; ``check_invariants`` compares it with the walk."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: int = 0) -> None:
+        self.tokens = tokens
+
+    @staticmethod
+    def walk(sequences: Iterable[Sequence], block_size: int) -> int:
+        return sum(len(s.table) * block_size - s.num_tokens for s in sequences)
 
 
 def as_token_bytes(tokens: bytes | bytearray | memoryview | Seq[int], field: str) -> bytes:

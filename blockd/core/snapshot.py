@@ -36,6 +36,7 @@ from blockd.core.errors import Internal
 from blockd.core.events import EventSink
 from blockd.core.ids import SequenceIds
 from blockd.core.prefix_index import HashFactory
+from blockd.core.sequence import TailWaste
 
 if TYPE_CHECKING:
     from blockd.core.manager import BlockManager
@@ -84,6 +85,8 @@ def load(data: bytes, *, events: EventSink | None = None, ids: SequenceIds | Non
             stream = index.new_stream(seq.ns.root_key)
             stream.update(prefix)
             seq.stream = stream
+    # Recomputed, not trusted: a snapshot written before the running total existed lacks it.
+    manager.tail = TailWaste(TailWaste.walk(manager.sequences.values(), manager.block_size))
     return manager
 
 
