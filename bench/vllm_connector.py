@@ -74,7 +74,14 @@ def unique(rng: random.Random, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(1, 1000) for _ in range(length)] for _ in range(n)]
 
 
+#: Pause before every measured call: vLLM's CPU workers spin their OpenMP threads for a while
+#: after a step, and on 2 cores the spinning engine that ran last slows the next one (measured:
+#: up to 3x without the pause, in either direction).
+SETTLE_S = 1.0
+
+
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    time.sleep(SETTLE_S)
     out = engine.generate(prompts, max_tokens=max_tokens)
     ttft = sorted(t for t in out["ttft_s"] if t is not None)
     produced = sum(len(t) for t in out["tokens"])
@@ -92,7 +99,7 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--system", type=int, default=640)
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -115,7 +122,6 @@ def main() -> None:
                 if rep % 2 == 0:  # alternate: a drift of the machine shows on both sides
                     rec["alone"] = run(engines["alone"], s, args.max_tokens)
                 rec["first"] = run(engines["first"], s, args.max_tokens)
-                time.sleep(0.3)  # the first engine's last commits become hittable (idle flush)
                 rec["second"] = run(engines["second"], s, args.max_tokens)
                 if rep % 2 == 1:
                     rec["alone"] = run(engines["alone"], s, args.max_tokens)
