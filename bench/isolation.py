@@ -27,10 +27,10 @@ from pathlib import Path
 
 import yaml
 
+import blockd_client.requests as rq
 from blockd.runtime.tenants_file import token_hash
 from blockd_apps.launch import spawn, terminate
 from blockd_client import Client
-import blockd_client.requests as rq
 from blockd_gpu import KvLayout
 
 RESULTS = Path(__file__).resolve().parent / "results"

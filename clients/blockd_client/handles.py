@@ -9,6 +9,7 @@ malformed answer never leaks an fd (a GPU allocation stays alive as long as one 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Sequence
@@ -31,10 +32,9 @@ def fetch_handles(path: str, session_id: str, timeout: float = 10.0, tenant_id: 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        try:
+        # Refused before the request was read (the peer check): the answer says why.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(wire.encode_request(session_id, tenant_id))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # refused before the request was read (the peer check): the answer says why
         buf, fds, _flags, _addr = socket.recv_fds(s, wire.MAX_ANSWER_BYTES, wire.MAX_FDS)
         try:
             while not buf.endswith(b"\n") and len(buf) < wire.MAX_ANSWER_BYTES:

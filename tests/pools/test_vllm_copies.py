@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 import torch
+from blockd_vllm.layout import KvShape
+from blockd_vllm.metadata import BlockdMetadata, PoolRef
+from blockd_vllm.worker import WorkerSide
 from daemon_proc import TOKENS, start
 
 import blockd_client.requests as rq
 from blockd_client import Client
 from blockd_gpu import KvLayout
-from blockd_vllm.layout import KvShape
-from blockd_vllm.metadata import BlockdMetadata, PoolRef
-from blockd_vllm.worker import WorkerSide
 
 B, H, D, LAYERS, VLLM_BLOCKS = 4, 2, 8, 2, 10
 SHAPE = KvShape(num_layers=LAYERS, block_size=B, num_kv_heads=H, head_dim=D, dtype="float16")

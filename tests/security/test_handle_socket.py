@@ -8,6 +8,7 @@ accept thread does stop, ``alive`` (what health reports) says so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -47,10 +48,8 @@ def _raw(path: str, data: bytes, *, wait: float = 5.0) -> dict | None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(wait)
         s.connect(path)
-        try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             s.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
         buf = b""
         try:
             while not buf.endswith(b"\n"):
