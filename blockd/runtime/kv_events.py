@@ -455,7 +455,7 @@ class KvEventPublisher:
         for seq, payload in batches:
             router.send_multipart([*head, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK,
                                   copy=False)
+        with self._stats_lock:  # counted before its end is sent: a client that saw the end
+            self._counts["replays_served"] += 1  # sees the count (stats() races no more)
         router.send_multipart(end, flags=zmq.NOBLOCK)
-        with self._stats_lock:
-            self._counts["replays_served"] += 1
         log.debug("replayed", extra=logs.fields(batches=len(batches), start_seq=start))
