@@ -15,7 +15,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -24,6 +25,7 @@ from blockd_vllm.layout import KvShape
 from blockd_vllm.settings import Settings
 
 log = logging.getLogger("blockd_vllm")
+T = TypeVar("T")
 
 #: How often the heartbeat thread ticks (seconds).
 TICK_S = 0.05
@@ -34,6 +36,26 @@ UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_E
 FATAL_AT_START = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
                             grpc.StatusCode.INVALID_ARGUMENT})
+
+
+def until_answered(settings: Settings, call: Callable[[], T]) -> T:
+    """``call()`` at engine start, tried again while blockd does not answer, for at most
+    ``connect_timeout_s`` (RuntimeError naming the target then); a refusal a retry will not
+    fix (``FATAL_AT_START``) is raised at once, as the BlockdError."""
+    deadline = time.monotonic() + settings.connect_timeout_s
+    while True:
+        try:
+            return call()
+        except BlockdError as err:
+            if err.status in FATAL_AT_START:
+                raise
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"blockd_vllm: blockd at kv_connector_extra_config.target="
+                    f"{settings.target!r} did not answer within connect_timeout_s="
+                    f"{settings.connect_timeout_s:g} ({err.status.name}: {err.message})"
+                ) from None
+            time.sleep(0.2)
 
 
 class Listener(Protocol):
@@ -73,27 +95,16 @@ class Link:
         layout = KvLayout(num_layers=self.shape.num_layers, num_kv_heads=self.shape.num_kv_heads,
                           head_dim=self.shape.head_dim, block_size=self.shape.block_size,
                           dtype=self.shape.dtype)
-        deadline = time.monotonic() + self.settings.connect_timeout_s
-        while True:
-            try:
-                session = self.client.attach(self.settings.tenant, layout, map_pool=False,
-                                             worker_name=self.settings.worker_name,
-                                             lease_ms=self.settings.lease_ms)
-            except BlockdError as err:
-                if err.status in FATAL_AT_START:
-                    raise RuntimeError(self._start_error(err)) from None
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"blockd_vllm: blockd at kv_connector_extra_config.target="
-                        f"{self.settings.target!r} did not answer within connect_timeout_s="
-                        f"{self.settings.connect_timeout_s:g} ({err.status.name}: "
-                        f"{err.message})") from None
-                time.sleep(0.2)
-                continue
-            log.info("blockd_vllm: attached to %s as tenant %s (session %s, epoch %d, pool %s)",
-                     self.settings.target, self.settings.tenant, session.session_id,
-                     session.epoch, self.shape.describe())
-            return session
+        try:
+            session = until_answered(self.settings, lambda: self.client.attach(
+                self.settings.tenant, layout, map_pool=False,
+                worker_name=self.settings.worker_name, lease_ms=self.settings.lease_ms))
+        except BlockdError as err:
+            raise RuntimeError(self._start_error(err)) from None
+        log.info("blockd_vllm: attached to %s as tenant %s (session %s, epoch %d, pool %s)",
+                 self.settings.target, self.settings.tenant, session.session_id,
+                 session.epoch, self.shape.describe())
+        return session
 
     def _start_error(self, err: BlockdError) -> str:
         where = {grpc.StatusCode.UNAUTHENTICATED: "kv_connector_extra_config.token_file",

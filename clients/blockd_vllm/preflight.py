@@ -9,12 +9,11 @@ is vLLM's, each refused with the extra-config key and both values named.
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
 from blockd_client import BlockdError, Client
 from blockd_vllm.layout import KvShape
+from blockd_vllm.link import until_answered
 from blockd_vllm.settings import Settings
 
 
@@ -22,24 +21,14 @@ def preflight(settings: Settings, shape: KvShape) -> None:
     client = Client(settings.target, token_file=settings.token_file,
                     timeout=settings.rpc_timeout_s, retries=1, backoff=0.02, reconnect_s=0.0)
     try:
-        deadline = time.monotonic() + settings.connect_timeout_s
-        while True:
-            try:
-                stats = client.stats()
-                break
-            except BlockdError as err:
-                if err.status == grpc.StatusCode.UNAUTHENTICATED:
-                    raise RuntimeError(
-                        f"blockd_vllm: blockd at {settings.target!r} rejected the credential "
-                        f"(kv_connector_extra_config.token_file={settings.token_file!r}): "
-                        f"{err.message}") from None
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"blockd_vllm: blockd at kv_connector_extra_config.target="
-                        f"{settings.target!r} did not answer within connect_timeout_s="
-                        f"{settings.connect_timeout_s:g} ({err.status.name}: {err.message})"
-                    ) from None
-                time.sleep(0.2)
+        stats = until_answered(settings, client.stats)
+    except BlockdError as err:
+        what = ("rejected the credential" if err.status == grpc.StatusCode.UNAUTHENTICATED
+                else f"refused Stats ({err.status.name})")
+        raise RuntimeError(
+            f"blockd_vllm: blockd at {settings.target!r} {what} "
+            f"(kv_connector_extra_config.token_file={settings.token_file!r}): "
+            f"{err.message}") from None
     finally:
         client.close()
     if stats.block_size != shape.block_size:

@@ -67,7 +67,8 @@ def run_worker(worker, meta) -> object:  # type: ignore[no-untyped-def]
         worker.wait_for_layer_load(name)
     worker.wait_for_save()
     out = KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta(),
-                            invalid_block_ids=worker.get_block_ids_with_load_errors())
+                            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                            kv_connector_stats=worker.get_kv_connector_stats())
     worker.clear_connector_metadata()
     return out
 
@@ -90,6 +91,15 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
         sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
         out = run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
         sched.update_connector_output(out)
+        # The worker's figures as vLLM's own stats logger reads them (aggregate, reduce, log).
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+        logged: list[str] = []
+        logging_ = KVConnectorLogging(sched._kv_transfer_config)
+        logging_.observe(out.kv_connector_stats.to_dict())
+        logging_.log(log_fn=lambda fmt, *a: logged.append(fmt % a))
+        assert logged == ["KV Transfer metrics: loaded_blocks=0, saved_blocks=3, "
+                          "load_failures=0, save_failures=0, map_failures=0"]
         sched.request_finished(r0, [0, 1, 2, 3])
         sched.build_connector_meta(step([]))  # commit + release, behind this step's fence
         time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
