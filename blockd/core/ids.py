@@ -25,6 +25,15 @@ SequenceId = NewType("SequenceId", str)
 SessionId = NewType("SessionId", str)
 
 
+def opaque_id(nbytes: int) -> str:
+    """A random URL-safe id of ``nbytes`` bytes that never begins with "-": ids are typed on
+    command lines (``blockctl inspect SEQ``), where a leading "-" reads as an option."""
+    while True:
+        out = secrets.token_urlsafe(nbytes)
+        if out[0] != "-":
+            return out
+
+
 class SequenceIds:
     """Mints sequence ids; optionally records them (journal) or replays recorded ones."""
 
@@ -42,7 +51,7 @@ class SequenceIds:
             if not self._replay:
                 raise Internal("a replayed Step mints more sequence ids than it did originally")
             return self._replay.popleft()
-        seq_id = secrets.token_urlsafe(16)  # 128 random bits, as the API promises
+        seq_id = opaque_id(16)  # 128 random bits (less 1/64 of one), as the API promises
         if self._minted is not None:
             self._minted.append(seq_id)
         return seq_id

@@ -32,7 +32,7 @@ from blockd.core.caching import PrefixCache
 from blockd.core.errors import InvalidArgument, NotFound, PermissionDenied
 from blockd.core.events import EventSink
 from blockd.core.fences import FenceLedger, Session
-from blockd.core.ids import SequenceIds
+from blockd.core.ids import SequenceIds, opaque_id
 from blockd.core.namespace import Namespace, NamespaceTable, PrefixScope
 from blockd.core.preemption import MAX_REMEMBERED, VictimChooser, preemption_on
 from blockd.core.prefix_index import HashFactory, PrefixIndex
@@ -122,7 +122,7 @@ class BlockManager(CoreQueries):
     def open_session(self, tenant_id: str, session_id: str | None = None) -> str:
         """Start a session acting for ``tenant_id``; returns its id, unguessable unless given."""
         slot = self.tenants.slot(tenant_id)
-        sid = session_id or secrets.token_urlsafe(18)
+        sid = session_id or opaque_id(18)
         if sid in self.sessions:
             raise InvalidArgument("session id already in use", field="session_id")
         self.tenants.add_session(slot)  # refused at the tenant's max_sessions
