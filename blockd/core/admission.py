@@ -62,30 +62,44 @@ class Admission:
         if need <= 0:
             return None
         blocks = self.blocks
-        state = blocks.state
-        owner = blocks.owner
-        # Cached blocks about to be hit leave the LRU: they are no longer evictable.
-        hit_cached = [b for b in hits if state[b] == CACHED]
-        own_hit_cached = sum(1 for b in hit_cached if owner[b] == tenant)
-        available = blocks.num_free + blocks.num_cached - len(hit_cached) + extra
+        # Cached blocks about to be hit leave the LRU: they are no longer evictable. They are
+        # counted only where a bound that assumes every hit is cached does not settle the
+        # answer (a prompt's hits are scanned only when the pool or quota is nearly spent).
+        hit_cached = None
+        available = blocks.num_free + blocks.num_cached + extra
+        if hits and available - len(hits) < need:
+            hit_cached = self._cached_hits(hits)
+            available -= len(hit_cached)
         if available < need:
             return DoesNotFit("pool", need, available)
         policy = self.tenants.policies[tenant]
         over = blocks.usage[tenant] + need - policy.quota_blocks
         # Blocks of its own that a preemption frees stop counting against the quota once
         # their fences complete (they are then free, or cached and evictable).
-        own_evictable = blocks.cached[tenant] - own_hit_cached + (freed[tenant] if freed else 0)
-        if over > own_evictable:
-            return DoesNotFit("quota", need, policy.quota_blocks - blocks.usage[tenant]
-                              + own_evictable)
+        own_evictable = blocks.cached[tenant] + (freed[tenant] if freed else 0)
+        if over > own_evictable - len(hits):
+            if hit_cached is None:
+                hit_cached = self._cached_hits(hits)
+                available -= len(hit_cached)
+            owner = blocks.owner
+            own_evictable -= sum(1 for b in hit_cached if owner[b] == tenant)
+            if over > own_evictable:
+                return DoesNotFit("quota", need, policy.quota_blocks - blocks.usage[tenant]
+                                  + own_evictable)
         reserved = 0
         for slot, p in enumerate(self.tenants.policies):
             if slot != tenant and p.guaranteed_blocks:
                 live = blocks.usage[slot] - blocks.cached[slot] - (freed[slot] if freed else 0)
                 reserved += max(0, p.guaranteed_blocks - live)
+        if reserved and hit_cached is None and hits:
+            available -= len(self._cached_hits(hits))
         if reserved and available - reserved < need:
             return DoesNotFit("guarantee", need, max(0, available - reserved))
         return None
+
+    def _cached_hits(self, hits: Seq[int]) -> list[int]:
+        state = self.blocks.state
+        return [b for b in hits if state[b] == CACHED]
 
     def limits(self, tenant: int, new_sequences: int, table_blocks: int, block_size: int
                ) -> DoesNotFit | None:

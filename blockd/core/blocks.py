@@ -25,6 +25,9 @@ Invariants (checked by ``blockd.core.invariants.check_invariants``):
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence as Seq
+
+import numpy as np
 
 FREE = 0
 WRITING = 1
@@ -40,6 +43,10 @@ _NIL = -1
 #: ref(4) + pend(4) + state(1) + owner(2) + prev(4) + next(4) + stamp(4).
 BYTES_PER_BLOCK = 23
 _STAMP_MASK = 0xFFFFFFFF
+#: From this many blocks on, ``take`` writes the per-block fields with numpy, one call per
+#: field for the whole run; below it the views and index array cost more than the Python
+#: loop they replace (measured in bench/results/core_perf.md).
+VECTOR_TAKE = 64
 
 
 class BlockArrays:
@@ -105,6 +112,8 @@ class BlockArrays:
         appended to ``scrub``: it must be zeroed before the worker sees it. Returns the ids in
         table order.
         """
+        if n >= VECTOR_TAKE:
+            return self._take_vector(n, tenant, scrub_owner, scrub_all, scrub)
         ids = [0] * n
         ref = self.ref
         state = self.state
@@ -126,13 +135,55 @@ class BlockArrays:
         self.usage[tenant] += n
         return ids
 
+    def _take_vector(self, n: int, tenant: int, scrub_owner: list[bool], scrub_all: bool,
+                     scrub: list[int]) -> list[int]:
+        """``take`` for a long run (a long prompt): only the walk down the free stack stays a
+        Python loop; the scrub test and the four field writes are one numpy call each over
+        views of the arrays (never resized, so a view cannot block a resize)."""
+        ids = [0] * n
+        nxt = self.next
+        b = self.free_head
+        for i in range(n):
+            ids[i] = b
+            b = nxt[b]
+        idx = np.array(ids, dtype=np.intp)
+        owner = np.frombuffer(self.owner, dtype=np.uint16)
+        prev = owner[idx]
+        dirty = prev != NO_OWNER
+        if not scrub_all:
+            # Another tenant's block, and that tenant asked for scrub-on-reuse.
+            other = dirty & (prev != tenant)
+            dirty = other.copy()
+            dirty[other] = np.array(scrub_owner, dtype=bool)[prev[other]]
+        if dirty.any():
+            scrub.extend(idx[dirty].tolist())  # in table order, as the loop appends them
+        np.frombuffer(self.ref, dtype=np.int32)[idx] = 1
+        np.frombuffer(self.state, dtype=np.uint8)[idx] = WRITING
+        owner[idx] = tenant
+        np.frombuffer(nxt, dtype=np.int32)[idx] = _NIL
+        self.free_head = b
+        self.num_free -= n
+        self.usage[tenant] += n
+        return ids
+
     def give_back(self, block: int) -> None:
         """Make an unreferenced, unindexed block with no pending fence FREE."""
-        self.state[block] = FREE
-        self.usage[self.owner[block]] -= 1
-        self.next[block] = self.free_head
-        self.free_head = block
-        self.num_free += 1
+        self.give_back_many((block,))
+
+    def give_back_many(self, blocks: Seq[int]) -> None:
+        """``give_back`` each block in order (the last one is handed out first)."""
+        state = self.state
+        usage = self.usage
+        owner = self.owner
+        nxt = self.next
+        head = self.free_head
+        for b in blocks:
+            state[b] = FREE
+            usage[owner[b]] -= 1
+            nxt[b] = head
+            head = b
+        self.free_head = head
+        self.num_free += len(blocks)
 
     def free_list(self) -> list[int]:
         """The free stack, next block handed out first (for tests and invariant checks)."""
@@ -147,20 +198,35 @@ class BlockArrays:
 
     def cache(self, block: int) -> None:
         """Make an unreferenced indexed block CACHED at the most-recently-used end."""
-        t = self.owner[block]
-        self.state[block] = CACHED
-        self._clock = (self._clock + 1) & _STAMP_MASK
-        self.stamp[block] = self._clock
-        tail = self.tail[t]
-        self.prev[block] = tail
-        self.next[block] = _NIL
-        if tail == _NIL:
-            self.head[t] = block
-        else:
-            self.next[tail] = block
-        self.tail[t] = block
-        self.cached[t] += 1
-        self.num_cached += 1
+        self.cache_many((block,))
+
+    def cache_many(self, blocks: Seq[int]) -> None:
+        """``cache`` each block in order (the last one becomes the most recently used)."""
+        state = self.state
+        stamp = self.stamp
+        owner = self.owner
+        prev = self.prev
+        nxt = self.next
+        head = self.head
+        tails = self.tail
+        cached = self.cached
+        clock = self._clock
+        for b in blocks:
+            t = owner[b]
+            state[b] = CACHED
+            clock = (clock + 1) & _STAMP_MASK
+            stamp[b] = clock
+            tail = tails[t]
+            prev[b] = tail
+            nxt[b] = _NIL
+            if tail == _NIL:
+                head[t] = b
+            else:
+                nxt[tail] = b
+            tails[t] = b
+            cached[t] += 1
+        self._clock = clock
+        self.num_cached += len(blocks)
 
     def uncache(self, block: int) -> None:
         """Unlink a CACHED block from its LRU (a hit or an eviction). State is the caller's."""
@@ -195,6 +261,41 @@ class BlockArrays:
                     best = b
                     best_age = age
         return best
+
+    def evict_oldest(self, n: int, tenant: int | None = None) -> list[int]:
+        """Unlink the ``n`` least recently cached blocks (of ``tenant``, or of any tenant) from
+        their LRUs, oldest first, as ``n`` calls of ``oldest_cached`` and ``uncache`` would
+        (fewer if fewer are cached). Their state is the caller's: they are about to be FREE.
+        """
+        if tenant is None:
+            lists = [t for t, b in enumerate(self.head) if b != _NIL]
+            if len(lists) != 1:
+                # Several tenants' lists: the age order interleaves them, block by block.
+                out: list[int] = []
+                while len(out) < n and (b := self.oldest_cached(None)) != _NIL:
+                    self.uncache(b)
+                    out.append(b)
+                return out
+            tenant = lists[0]
+        # One list: its ``n`` first blocks, unlinked as one run.
+        nxt = self.next
+        prev = self.prev
+        out = []
+        b = self.head[tenant]
+        while b != _NIL and len(out) < n:
+            out.append(b)
+            b = nxt[b]
+        for c in out:
+            prev[c] = _NIL
+            nxt[c] = _NIL
+        self.head[tenant] = b
+        if b == _NIL:
+            self.tail[tenant] = _NIL
+        else:
+            prev[b] = _NIL
+        self.cached[tenant] -= len(out)
+        self.num_cached -= len(out)
+        return out
 
     def lru_order(self, tenant: int) -> list[int]:
         """A tenant's CACHED blocks, least recently used first (for tests and Inspect)."""

@@ -112,27 +112,35 @@ class PrefixCache:
         """Index a committed batch whose K/V is now written."""
         index = self.index
         chain = batch.chain
-        ns = self.namespaces.get(batch.ns_id)
+        ns_id = batch.ns_id
+        ns = self.namespaces.get(ns_id)
         state = self.blocks.state
+        indexed = index.ns
+        insert = index.insert
+        incref = self.namespaces.incref
+        keys = batch.keys
+        chunks = batch.chunks
         emit = self.events
         dup = self.dup
+        i = batch.start - 1
         for j, b in enumerate(batch.blocks):
-            i = batch.start + j
+            i += 1  # ``batch.start + j``
             parent = chain[i - 1] if i > 0 else NO_PARENT
-            if parent in dup:
+            if dup and parent in dup:
                 # The parent turned out to duplicate an indexed block (possibly found through a
                 # fork sibling's chain): chain to that one while it is the same incarnation.
                 canon, gen = dup[parent]
-                if index.ns[canon] and index.gen[canon] == gen:
+                if indexed[canon] and index.gen[canon] == gen:
                     parent = canon
-            if state[b] == FREE or index.ns[b]:
+            if state[b] == FREE or indexed[b]:
                 continue  # flushed meanwhile, or already indexed through a sibling
-            key = batch.keys[j]
-            chunk = batch.chunks[j]
-            if index.insert(b, key, chunk, parent, batch.ns_id):
+            key = keys[j]
+            chunk = chunks[j]
+            if insert(b, key, chunk, parent, ns_id):
                 # Indexed itself now (its twin may have been flushed): no longer a duplicate.
-                dup.pop(b, None)
-                self.namespaces.incref(ns)
+                if dup:
+                    dup.pop(b, None)
+                incref(ns)
                 if emit is not None:
                     emit(self._stored(b))
                 continue
@@ -165,32 +173,45 @@ class PrefixCache:
             state[b] = COMMITTED
 
     def idle(self, idle: Iterable[int]) -> None:
-        """Unreferenced blocks with no pending fence: CACHED if indexed, else FREE."""
-        blocks = self.blocks
+        """Unreferenced blocks with no pending fence: CACHED if indexed, else FREE.
+
+        In order: the LRU and the free stack are separate lists, so caching the indexed ones
+        and freeing the others in two batches leaves both exactly as block-by-block would.
+        """
         indexed = self.index.ns
-        dup = self.dup
-        for b in idle:
-            if indexed[b]:
-                blocks.cache(b)
-            else:
-                if dup:
+        idle = idle if isinstance(idle, list) else list(idle)
+        cached = [b for b in idle if indexed[b]]
+        if len(cached) < len(idle):
+            freed = [b for b in idle if not indexed[b]]
+            dup = self.dup
+            if dup:
+                for b in freed:
                     dup.pop(b, None)
-                blocks.give_back(b)
+            self.blocks.give_back_many(freed)
+        if cached:
+            self.blocks.cache_many(cached)
 
     def evict(self, n: int, tenant: int | None) -> None:
         """Free ``n`` cached blocks, least recently used first (of ``tenant``, or of anyone)."""
         blocks = self.blocks
-        for _ in range(n):
-            b = blocks.oldest_cached(tenant)
-            if b < 0:
-                raise Internal("eviction found no cached block although the fit check passed")
-            blocks.uncache(b)
-            self.unindex(b)
-            blocks.give_back(b)
-            self.counters.evictions += 1
+        victims = blocks.evict_oldest(n, tenant)
+        if self.events is None:
+            # ``unindex`` without the key lookup that only its event needs.
+            remove = self.index.remove
+            get = self.namespaces.get
+            decref = self.namespaces.decref
+            for b in victims:
+                decref(get(remove(b)))
+        else:
+            for b in victims:
+                self.unindex(b)
+        blocks.give_back_many(victims)
+        self.counters.evictions += len(victims)
+        if len(victims) < n:
+            raise Internal("eviction found no cached block although the fit check passed")
 
     def unindex(self, block: int) -> None:
-        key = self.index.key_of(block)
+        key = self.index.key_of(block) if self.events is not None else None
         ns_id = self.index.remove(block)
         self.namespaces.decref(self.namespaces.get(ns_id))
         if self.events is not None and key is not None:

@@ -196,8 +196,10 @@ class FenceLedger:
                     idle.append(b)
                 elif ref[b] == 0:
                     arrays.state[b] = PENDING
-            # Reverse order: a sequence's tail block is cached first, so it is evicted first.
-            self.cache.idle(reversed(idle))
+            if idle:
+                # Reverse order: a sequence's tail block is cached first, so it is evicted first.
+                idle.reverse()
+                self.cache.idle(idle)
             return
         pend = arrays.pend
         state = arrays.state
@@ -265,20 +267,22 @@ class FenceLedger:
         cache = self.cache
         while waiting and waiting[0][0] <= fence:
             f, kind, payload = waiting.popleft()
-            if isinstance(payload, CommitBatch):
+            if kind == COMMIT:
                 if session.pending:
-                    self._unpend(session, payload)
+                    self._unpend(session, payload)  # type: ignore[arg-type]
                 if drop_commits_after is None or f <= drop_commits_after:
-                    cache.apply_commit(payload)
+                    cache.apply_commit(payload)  # type: ignore[arg-type]
                 else:
-                    cache.drop_commit(payload)
+                    cache.drop_commit(payload)  # type: ignore[arg-type]
                 continue
             idle = []
-            for b in payload:
+            for b in payload:  # type: ignore[union-attr]
                 pend[b] -= 1
                 if pend[b] == 0 and ref[b] == 0:
                     idle.append(b)
-            cache.idle(reversed(idle))
+            if idle:
+                idle.reverse()  # see ``drop_refs``
+                cache.idle(idle)
 
     def drop_commits(self, session: Session) -> None:
         """Drop the session's unconfirmed commits (its releases keep waiting for their fences):

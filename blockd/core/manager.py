@@ -29,21 +29,23 @@ from collections.abc import Sequence as Seq
 from blockd.core.admission import Admission
 from blockd.core.blocks import COMMITTED, WRITING, BlockArrays
 from blockd.core.caching import PrefixCache
-from blockd.core.errors import InvalidArgument, NotFound, PermissionDenied
+from blockd.core.errors import InvalidArgument, PermissionDenied
 from blockd.core.events import EventSink
 from blockd.core.fences import FenceLedger, Session
 from blockd.core.ids import SequenceIds, opaque_id
-from blockd.core.namespace import Namespace, NamespaceTable, PrefixScope
+from blockd.core.namespace import NamespaceTable, PrefixScope
 from blockd.core.preemption import MAX_REMEMBERED, VictimChooser, preemption_on
 from blockd.core.prefix_index import HashFactory, PrefixIndex
 from blockd.core.queries import CoreQueries
 from blockd.core.results import AdmitResult, AppendResult, BatchAppend, CopyOp, Counters, DoesNotFit
-from blockd.core.sequence import Sequence, TailWaste, append_in_place, as_token_bytes
+from blockd.core.sequence import Sequence, TailWaste, as_token_bytes
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import TenantPolicy, TenantTable
 
 #: Most children one fork may create.
 MAX_FORK = 64
+#: ``AppendResult(...)`` minus the named tuple's Python-level ``__new__`` (a frame per token).
+_new_tuple = tuple.__new__
 
 
 class BlockManager(CoreQueries):
@@ -244,10 +246,29 @@ class BlockManager(CoreQueries):
         block and a copy op src->dst; the old block keeps its content for the others and loses
         this sequence's reference under ``fence`` (the copy reads it during this step).
         """
-        done = append_in_place(self.sessions.get(session_id), self.sequences.get(seq_id),
-                               tokens, fence, self.block_size, self.blocks.ref, self.tail)
-        if done is not None:
-            return done
+        seq = self.sequences.get(seq_id)
+        session = self.sessions.get(session_id)
+        if seq is not None and session is not None and seq.session == session_id:
+            # The per-token path: tokens that fit in the sequence's own last, partly filled,
+            # unshared block change nothing but the sequence and its fence. Anything else (a new
+            # block, copy-on-write, invalid input) goes on below, nothing changed yet.
+            raw = tokens if type(tokens) is bytes else as_token_bytes(tokens, "token_ids")
+            size = len(raw)
+            old = seq.num_tokens
+            used = old % self.block_size
+            n = size >> 2
+            table = seq.table
+            if (used and n and used + n <= self.block_size and not size & 3
+                    and self.blocks.ref[table[-1]] == 1
+                    # ``FenceLedger.validate``'s rule for a nonzero fence (then ``announce``).
+                    and (not fence or (fence > session.completed and fence >= session.issued))):
+                if fence:
+                    session.issued = fence
+                if seq.cache:
+                    seq.tokens += raw
+                seq.num_tokens = old + n
+                self.tail.tokens -= n
+                return _new_tuple(AppendResult, (len(table), [], old + n, None))
         session = self._session(session_id)
         seq = self._sequence(session, seq_id)
         raw = as_token_bytes(tokens, "token_ids")
@@ -476,24 +497,3 @@ class BlockManager(CoreQueries):
         self.namespaces.decref(seq.ns)
         self.counters.released_blocks += len(table)
         return len(table)
-
-    def _room(self, session: Session, waits: bool = True) -> int | None:
-        return self.tenants.policies[session.tenant].max_pending_fences if waits else None
-    def _namespace(self, scope: PrefixScope, tenant: int) -> Namespace:
-        return self.namespaces.for_request(scope, tenant,
-                                           self.tenants.policies[tenant].sharing_domain)
-
-    def _session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise NotFound("unknown session", field="session_id")
-        return session
-
-    def _sequence(self, session: Session, seq_id: str) -> Sequence:
-        seq = self.sequences.get(seq_id)
-        if seq is None:
-            raise session.unknown_sequence(seq_id)
-        if seq.session != session.id:
-            raise PermissionDenied("the sequence belongs to another session",
-                                   field="sequence_id")
-        return seq

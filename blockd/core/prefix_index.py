@@ -51,9 +51,9 @@ PINNED = -1
 STALE = -2
 
 #: Preallocated per block: parent(4) + parent's generation(4) + generation(4) + namespace(4)
-#: + linked to the id below (1, ``_linked``) + the key table's slots (4 bytes each, at most 2
-#: slots per block: ``_table_size``).
-BYTES_PER_BLOCK = 25
+#: + linked to the id below (1, ``_linked``) + the key table's slots (4 bytes each, 2 to 4
+#: slots per block: ``_table_size``; 2.1 at 1M blocks).
+BYTES_PER_BLOCK = 33
 #: Bytes of one key (XXH3-128 digest).
 KEY_BYTES = 16
 _GEN_MASK = 0xFFFFFFFF
@@ -61,9 +61,11 @@ _EMPTY = -1
 
 
 def _table_size(num_blocks: int) -> int:
-    """Slots of the key table: a power of two, at least 1.5 per block (load <= 2/3)."""
+    """Slots of the key table: a power of two, at least 2 per block. An insert probes
+    ~(1 + 1/(1-load)^2)/2 slots: 1.5 per block ran a full 20,000-block pool at load 0.61 (~3.8
+    probes), 2 runs it at 0.31 (~1.5); see bench/results/core_perf.md. Same at 1M blocks."""
     size = 8
-    while size * 2 < 3 * num_blocks:
+    while size < 2 * num_blocks:
         size *= 2
     return size
 
@@ -407,7 +409,7 @@ class PrefixIndex:
             c = slots[j]
             if c == _EMPTY:
                 break
-            home = self._home(keys[c * KEY_BYTES:(c + 1) * KEY_BYTES])
+            home = int.from_bytes(keys[c * KEY_BYTES:(c + 1) * KEY_BYTES], "little") & mask
             if (j - home) & mask >= (j - i) & mask:
                 slots[i] = c
                 i = j

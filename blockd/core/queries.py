@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from blockd.core.blocks import STATE_NAMES, BlockArrays
+from blockd.core.errors import NotFound, PermissionDenied
 from blockd.core.events import BlockStored
 from blockd.core.fences import Session
 from blockd.core.invariants import check_invariants
@@ -25,7 +26,7 @@ from blockd.core.results import (
     SessionView,
     TenantUsage,
 )
-from blockd.core.sequence import Sequence, as_token_bytes
+from blockd.core.sequence import Sequence, TailWaste, as_token_bytes
 from blockd.core.tenants import TenantPolicy, TenantTable
 
 if TYPE_CHECKING:
@@ -89,19 +90,34 @@ class CoreQueries:
     index: PrefixIndex
     sessions: dict[str, Session]
     sequences: dict[str, Sequence]
+    tail: TailWaste
 
     enable_prefix_cache: bool
     namespaces: NamespaceTable
 
     # The manager's lookups of the caller's ids (they raise the errors naming the field).
     def _session(self, session_id: str) -> Session:
-        raise NotImplementedError
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound("unknown session", field="session_id")
+        return session
 
     def _sequence(self, session: Session, seq_id: str) -> Sequence:
-        raise NotImplementedError
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise session.unknown_sequence(seq_id)
+        if seq.session != session.id:
+            raise PermissionDenied("the sequence belongs to another session",
+                                   field="sequence_id")
+        return seq
 
     def _namespace(self, scope: PrefixScope, tenant: int) -> Namespace:
-        raise NotImplementedError
+        return self.namespaces.for_request(scope, tenant,
+                                           self.tenants.policies[tenant].sharing_domain)
+
+    def _room(self, session: Session, waits: bool = True) -> int | None:
+        """The session's ``max_pending_fences`` where an operation adds a waiting entry."""
+        return self.tenants.policies[session.tenant].max_pending_fences if waits else None
 
     def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
         """Tokens of a prompt whose K/V is cached and visible to this session's tenant (or

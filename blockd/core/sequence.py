@@ -5,49 +5,16 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
 
 import xxhash
 
 from blockd.core.errors import InvalidArgument
 from blockd.core.namespace import Namespace
-from blockd.core.results import AppendResult
-
-if TYPE_CHECKING:
-    from blockd.core.fences import Session
 
 _MAX_TOKEN = 2**32 - 1
 _EMPTY_TOKENS = bytearray()
 _EMPTY_KEYS: list[bytes] = []
 _EMPTY_CHAIN: list[int] = []
-
-
-def append_in_place(session: Session | None, seq: Sequence | None, tokens: bytes | Seq[int],
-                    fence: int, block_size: int, ref: array[int], tail: TailWaste
-                    ) -> AppendResult | None:
-    """The per-token path of ``BlockManager.append``: tokens that fit in the sequence's own
-    last, partly filled, unshared block. No block is added, so nothing but the sequence (and
-    the fence it names) changes, and there is no table delta to copy. Returns None whenever
-    the general path must decide (a new block, copy-on-write, any invalid input: it reports
-    the error), having changed nothing. ``session`` and ``seq``: what the ids name, if any."""
-    if session is None or seq is None or seq.session != session.id:
-        return None
-    raw = tokens if type(tokens) is bytes else as_token_bytes(tokens, "token_ids")
-    n = len(raw) >> 2
-    used = seq.num_tokens % block_size
-    if (not used or not n or used + n > block_size or len(raw) & 3
-            or ref[seq.table[-1]] != 1):
-        return None
-    if fence:
-        # ``FenceLedger.validate``'s rule for a nonzero fence; then it is in use (``announce``).
-        if fence <= session.completed or fence < session.issued:
-            return None
-        session.issued = fence
-    if seq.cache:
-        seq.tokens += raw
-    seq.num_tokens += n
-    tail.tokens -= n
-    return AppendResult(len(seq.table), [], seq.num_tokens)
 
 
 class TailWaste:
