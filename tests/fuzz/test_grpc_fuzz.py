@@ -35,6 +35,7 @@ from fuzz_support import (
     NUM_BLOCKS,
     TOO_LARGE_REQUEST,
     UNPARSEABLE,
+    WORKERS,
     Outcome,
     World,
     all_ops_failed,
@@ -115,6 +116,7 @@ def exchange(world: World, method: str, request: Any, cred: str, wire: Any = Non
     last_step = {ref.sid: ref.step_id for ref in world.sessions}
     seq_owner = {s: ref.sid for s, ref in world.seq_session.items()}
     owner_of = {ref.sid: ref.who for ref in world.sessions}
+    tenant_of = {ref.sid: ref.tenant for ref in world.sessions}
     before = world.snapshot()
     meta = metadata_for(cred)
     payload = wire if wire is not None else request
@@ -172,7 +174,11 @@ def exchange(world: World, method: str, request: Any, cred: str, wire: Any = Non
                 fail(f"{cred} succeeded on {owner}'s session", method, request, out)
             if method in ("GetBlockTable", "Inspect"):
                 holder = seq_owner.get(r.sequence_id)
-                if holder is not None and holder != r.session_id:
+                if r.session_id == "":
+                    # An operator's read (blockctl): any sequence of a tenant it acts for.
+                    if holder is not None and tenant_of[holder] not in WORKERS[cred]:
+                        fail("read another tenant's sequence", method, request, out)
+                elif holder is not None and holder != r.session_id:
                     fail("read another session's sequence", method, request, out)
 
     # Well-formed answers.
