@@ -33,7 +33,7 @@ from blockd.runtime import convert, stats, step, tenants_file
 from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key
 from blockd.runtime.events import EventLog
 from blockd.runtime.listing import SequenceIndex
-from blockd.runtime.packed import PackedTokens
+from blockd.runtime.packed import PackedIds
 from blockd.runtime.partitions import Partitions, build_pools, close_pools
 from blockd.runtime.recovery import JournalCorrupt, Recovery
 from blockd.runtime.sessions import Sessions
@@ -84,6 +84,10 @@ def start(cfg: Config) -> Daemon:
         daemon.recovery.journal_damage.update(damage)
     daemon.recover()
     return daemon
+
+
+#: The token ids of a Lookup read from its bytes that are decoded first (``Daemon.lookup``).
+LOOKUP_FIRST_IDS = 4096
 
 
 class Daemon:
@@ -350,22 +354,33 @@ class Daemon:
         return self.spec.num_blocks * self.spec.block_size + 1
 
     def lookup(self, principal: Principal, req: pb.LookupRequest,
-               packed: PackedTokens | None = None) -> pb.LookupResponse:
-        """``packed``: the request's token ids read from its bytes (their first
-        ``lookup_reach`` as uint32 bytes, and their count), in place of ``req.token_ids``."""
+               packed: PackedIds | None = None) -> pb.LookupResponse:
+        """``packed``: the request's token ids read from its bytes, in place of
+        ``req.token_ids``, whose work the server charged with the bytes (``charge_bytes``).
+        They are decoded only as far as the match goes: the first ``LOOKUP_FIRST_IDS``, four
+        times more while the hit covers all of them (a prefix's hit is the prompt's hit
+        wherever it ends short of the prefix), so a miss decodes a few thousand ids of a
+        256k-token prompt and a full hit at most ~1.3x its ids."""
         info = self.sessions.get(principal, req.session_id, req.epoch)
-        tokens: Any = req.token_ids if packed is None else packed.data
+        tokens: Any = req.token_ids
         count = len(tokens) if packed is None else packed.count
         step.check_tokens(self.limits, range(count), "token_ids")
         # Priced and charged before the cut: copying out the kept tokens is work too.
         n = min(count, self.lookup_reach)
         step.check_work(self.limits, n, "Lookup", "token_ids")
-        self.budgets.charge(info.tenant_id, n)
-        if packed is None and len(tokens) > n:
-            tokens = tokens[:n]
-        n = self.manager.lookup(info.id, convert.scope(req.namespace), tokens)
-        return pb.LookupResponse(num_cached_tokens=n,
-                                 num_cached_blocks=n // self.spec.block_size)
+        scope = convert.scope(req.namespace)
+        if packed is None:
+            self.budgets.charge(info.tenant_id, n)
+            hit = self.manager.lookup(info.id, scope, tokens[:n] if len(tokens) > n else tokens)
+        else:
+            B, size = self.spec.block_size, min(n, LOOKUP_FIRST_IDS)
+            while True:
+                hit = self.manager.lookup(info.id, scope, packed.first(size))
+                if size >= n or hit < (size - 1) // B * B:
+                    break
+                size = min(n, size * 4)
+        return pb.LookupResponse(num_cached_tokens=hit,
+                                 num_cached_blocks=hit // self.spec.block_size)
 
     def block_table(self, principal: Principal, req: pb.GetBlockTableRequest
                     ) -> pb.GetBlockTableResponse:

@@ -97,6 +97,41 @@ def split_field(raw: bytes, field: int) -> tuple[bytes, list[memoryview]] | None
     return b"".join(rest), payloads
 
 
+def count_uint32(payloads: list[memoryview]) -> int:
+    """How many varints the packed ``payloads`` hold (one terminating byte each), without
+    decoding them, after checking that every one is well formed (terminated, at most 10
+    bytes), as protobuf's parse would: so what a request's ids cost is known, and charged,
+    before any is decoded, and a decoder that stops early (``PackedIds``) refuses nothing
+    protobuf would take."""
+    count = 0
+    for p in payloads:
+        if len(p) and p[-1] >= 0x80:
+            raise Malformed("a packed field ends inside a varint")
+        buf = np.frombuffer(p, dtype=np.uint8)
+        more = buf >= 0x80
+        count += len(buf) - int(np.count_nonzero(more))
+        # A run of 10 continuation bytes (a varint over 10 bytes): runs of 2, 4, 8, then 10.
+        for step in (1, 2, 4, 2):
+            more = more[:-step] & more[step:]
+        if more.any():
+            raise Malformed("a varint longer than 10 bytes")
+    return count
+
+
+class PackedIds:
+    """A request's packed token ids, counted (``count_uint32``) and decoded on demand: a
+    Lookup decodes only as many as its match reaches."""
+
+    def __init__(self, payloads: list[memoryview], count: int) -> None:
+        self._payloads = payloads
+        #: Every id the request carries.
+        self.count = count
+
+    def first(self, k: int) -> bytes:
+        """The first ``k`` ids (fewer if there are fewer) as uint32 little-endian bytes."""
+        return decode_uint32(self._payloads, k).data
+
+
 def decode_uint32(payloads: list[memoryview], limit: int) -> PackedTokens:
     """The first ``limit`` varints of the packed ``payloads`` as uint32 bytes (low 32 bits of
     each, as protobuf keeps for a uint32), and how many varints they hold in all."""

@@ -6,12 +6,14 @@ bytes over the per-call bound refused unparsed, nothing changed)."""
 from __future__ import annotations
 
 import array
+import copy
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
-from daemon_proc import NS, Daemon, Worker, commit, md, start
+from daemon_proc import NS, TENANTS, Daemon, Worker, commit, md, start
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.runtime import packed
 from blockd.runtime.budgets import PARSE_BYTES_PER_UNIT
+from blockd.runtime.step import ATTACH_UNITS
 from blockd.server.servicer import LOOKUP_TOKEN_IDS
 
 S = grpc.StatusCode
@@ -133,9 +136,15 @@ def test_what_protobuf_accepts_beyond_our_encoder() -> None:
 
 # -- a real daemon ----------------------------------------------------------------------------
 
+#: globex's own budget: an Attach and about 1.5 Lookups of the pool's reach (64 x 4 + 1 ids).
+BURST = ATTACH_UNITS + 400
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = start(tmp_path_factory.mktemp("packed"), num_blocks=64,
+    tenants = copy.deepcopy(TENANTS)
+    tenants["tenants"][1].update(work_units_per_second=1, work_units_burst=BURST)  # globex
+    d = start(tmp_path_factory.mktemp("packed"), num_blocks=64, tenants=tenants,
               extra={"server": {"max_work_per_call": 8192}})
     yield d
     d.stop()
@@ -196,3 +205,50 @@ def test_bytes_over_the_per_call_bound_are_refused_unparsed(daemon: Daemon) -> N
                              token_ids=[1, 2, 3]).SerializeToString() + _field(
         1023, b"x" * (4000 * PARSE_BYTES_PER_UNIT))
     assert _lookup(daemon, under, "alice").num_cached_tokens == 0
+
+
+def test_the_ids_work_is_charged_with_the_bytes(daemon: Daemon) -> None:
+    """globex's bucket pays for one Lookup of the pool's reach, not two: the second is refused
+    for rate although its bytes alone cost a few units (its ids are counted, and their work
+    charged, with the bytes, before any is decoded); the refusal took nothing, so a small
+    Lookup is still served. A varint no decoder takes is refused wherever it lies, even
+    beyond the reach that is decoded, as protobuf's parse refuses it."""
+    w = Worker(daemon.stub(), "bob", "globex")
+    head = _field(1, w.sid.encode()) + _varint(2 << 3) + _varint(w.epoch) + _field(
+        3, NS.SerializeToString())
+    ids = b"".join(_varint(t) for t in range(1000))
+    for bad in (ids[:100] + b"\xff" * 10 + b"\x01" + ids[100:], ids + b"\xff" * 10 + b"\x01"):
+        with pytest.raises(grpc.RpcError) as err:
+            _lookup(daemon, head + _field(4, bad), "bob")
+        assert err.value.code() == S.INVALID_ARGUMENT, err.value.details()
+        assert err.value.details() == "request: a LookupRequest could not be parsed"
+    assert _lookup(daemon, head + _field(4, ids), "bob").num_cached_tokens == 0
+    with pytest.raises(grpc.RpcError) as err:
+        _lookup(daemon, head + _field(4, ids), "bob")
+    assert err.value.code() == S.RESOURCE_EXHAUSTED, err.value.details()
+    assert err.value.details().startswith("rate: tenant 'globex'"), err.value.details()
+    assert "this call costs 25" in err.value.details(), err.value.details()  # 257 ids + bytes
+    assert _lookup(daemon, head + _field(4, ids[:3]), "bob").num_cached_tokens == 0
+
+
+def test_a_hit_longer_than_the_first_decoded_ids_is_found_whole(tmp_path: Path) -> None:
+    """The daemon decodes a Lookup's first 4096 ids, and four times more while the hit covers
+    them all: a cached 5000-token prefix is found whole from a 25,000-token request, and a
+    prefix ending exactly at the first cut too."""
+    tenants = copy.deepcopy(TENANTS)
+    tenants["tenants"][0]["quota_blocks"] = 3000  # acme
+    d = start(tmp_path, num_blocks=3000, tenants=tenants)
+    try:
+        w = Worker(d.stub(), "alice", "acme")
+        prompt = list(range(1, 5002))  # 1250 full blocks of 4 and one token
+        seq = w.admit(prompt).sequence_id
+        w.step(commit(seq), completed=0)
+        w.stub.Heartbeat(pb.HeartbeatRequest(session_id=w.sid, epoch=w.epoch,
+                                             completed_fence=w.fence), metadata=md("alice"))
+        for ids, hit in ((prompt[:5000] + list(range(90_000, 110_000)), 5000),
+                         (prompt[:4097], 4096), (prompt[:4096], 4092), (prompt[:4100], 4096)):
+            raw = pb.LookupRequest(session_id=w.sid, epoch=w.epoch, namespace=NS,
+                                   token_ids=ids).SerializeToString()
+            assert _lookup(d, raw, "alice").num_cached_tokens == hit, len(ids)
+    finally:
+        d.stop()
