@@ -130,6 +130,8 @@ class ServerConfig:
         1 << 17, "Most work units one Step or Lookup may cost (about one per token id, 256 per "
                  "admit, 64 per other operation; a unit is ~0.1 us of the event loop every "
                  "tenant shares): a call beyond it is refused (RESOURCE_EXHAUSTED, \"work\").")
+    gil_switch_interval_ms: float = option(0.5, "sys.setswitchinterval, ms: how long the loop "
+                                           "waits for the lock gRPC's poller thread holds.")
     check_invariants: bool = option(
         False, "Check every block-manager invariant after each mutating call (O(num_blocks): "
                "for tests and debugging; a violation is logged and answered with INTERNAL).")
@@ -153,7 +155,7 @@ class ServerConfig:
                                   f"{self.grace_seconds}", field="server.grace_seconds")
         _check_positive(self, "server", "max_message_bytes", "max_operations_per_step",
                         "max_tokens_per_operation", "max_sessions", "max_work_per_call",
-                        "handle_connections", "handle_timeout_s")
+                        "handle_connections", "handle_timeout_s", "gil_switch_interval_ms")
         if not self.invariant_check_interval_ms >= 0:
             raise InvalidArgument("server.invariant_check_interval_ms: must not be negative, "
                                   f"got {self.invariant_check_interval_ms}",
@@ -486,8 +488,7 @@ def unknown_env(environ: Mapping[str, str] | None = None) -> list[tuple[str, str
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and one flag per field: ``--pool-num-blocks`` sets
-    ``pool.num_blocks``; its help is the field's description."""
+    """``--config FILE`` and one flag per field (``--pool-num-blocks``), helped by its doc."""
     options.add_flags(parser, Config, ENV_PREFIX)
 
 
@@ -495,5 +496,4 @@ def load(args: argparse.Namespace | None = None,
          environ: Mapping[str, str] | None = None) -> Config:
     """Defaults <- YAML file <- environment <- flags. A refusal (``InvalidArgument``) is one
     line that starts with the field and names where the value came from."""
-    cfg: Config = options.load(Config, args, environ, ENV_PREFIX)
-    return cfg
+    return options.load(Config, args, environ, ENV_PREFIX)  # type: ignore[no-any-return]

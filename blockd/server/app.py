@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +134,7 @@ def _start_runtime(cfg: Config) -> runtime.Daemon:
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
     sc = cfg.server
+    sys.setswitchinterval(sc.gil_switch_interval_ms / 1000)  # config.ServerConfig says why
     async with contextlib.AsyncExitStack() as stack:
         for path, field in ((sc.unix_socket, "server.unix_socket"),
                             (sc.handle_socket, "server.handle_socket")):
