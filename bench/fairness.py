@@ -56,6 +56,8 @@ LAYOUT = pb.KvLayout(block_size=16, num_layers=4, num_kv_heads=4, head_dim=64,
                      dtype=pb.KV_DTYPE_FLOAT16, kv_order=pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM,
                      tp_size=1)
 NS = pb.CacheNamespace(model_id="bench", model_revision="r1")
+#: The CPUs this benchmark may use (``--placement`` divides them).
+CPUS = os.sched_getaffinity(0)
 #: The per-tenant budget of this run: a tenth of what one core of the daemon can do each.
 RATE = 1_000_000
 BURST = 200_000
@@ -65,7 +67,7 @@ def md(who: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {TOKENS[who]}"),)
 
 
-def config(workdir: Path, max_work: int) -> Path:
+def config(workdir: Path, max_work: int, switch_ms: float | None = None) -> Path:
     tenants = {
         "tenants": [{"id": t, "quota_blocks": NUM_BLOCKS // 2, "sharing": "private"}
                     for t in TOKENS],
@@ -76,7 +78,8 @@ def config(workdir: Path, max_work: int) -> Path:
     cfg = {
         "server": {"unix_socket": str(workdir / "blockd.sock"), "tcp_address": "",
                    "handle_socket": "", "max_sessions": 100_000,
-                   "max_work_per_call": max_work},
+                   "max_work_per_call": max_work,
+                   **({} if switch_ms is None else {"gil_switch_interval_ms": switch_ms})},
         "metrics": {"address": ""},
         "pool": {"block_size": 16, "num_blocks": NUM_BLOCKS, "num_layers": 4,
                  "num_kv_heads": 4, "head_dim": 64, "dtype": "float16"},
@@ -127,8 +130,10 @@ def a_phase(stub: pb_grpc.BlockdServiceStub, att: pb.AttachResponse, state: dict
     return out
 
 
-def flood(kind: str, target: str, stop: Any, counts: Any, max_work: int) -> None:
+def flood(kind: str, target: str, stop: Any, counts: Any, max_work: int, nice: int) -> None:
     """One of B's flooders, until ``stop`` is set; outcomes counted in ``counts``."""
+    if nice:
+        os.nice(nice)
     got: Counter[str] = Counter()
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 25)]
                                ) as ch:
@@ -167,6 +172,21 @@ def flood(kind: str, target: str, stop: Any, counts: Any, max_work: int) -> None
     counts[kind] = dict(got)
 
 
+def spawn_placed(cfg: Path, cwd: Path, placement: str) -> Any:
+    """The daemon, on a core of its own when ``placement`` is "isolated": it inherits CPU 0
+    (every thread it starts does), and this process (A's client), with B's flooders started
+    from it, then keeps to the other cores. "shared": everything on every core."""
+    if placement == "shared":
+        os.sched_setaffinity(0, CPUS)
+        return spawn(cfg, cwd)
+    os.sched_setaffinity(0, {min(CPUS)})
+    try:
+        launched = spawn(cfg, cwd)
+    finally:
+        os.sched_setaffinity(0, CPUS - {min(CPUS)})
+    return launched
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1] if len(xs) > 1 else xs[0]
 
@@ -176,7 +196,8 @@ def one_run(args: argparse.Namespace) -> tuple[list[float], list[float], dict[st
     ctx = mp.get_context("spawn")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="blockd-fair-") as tmp:
-        launched = spawn(config(Path(tmp), args.max_work), Path(tmp))
+        launched = spawn_placed(config(Path(tmp), args.max_work, args.gil_switch_interval_ms),
+                                Path(tmp), args.placement)
         target = f"unix:{launched.endpoints['unix']}"
         try:
             with grpc.insecure_channel(target) as ch:
@@ -189,8 +210,8 @@ def one_run(args: argparse.Namespace) -> tuple[list[float], list[float], dict[st
                 manager = ctx.Manager()
                 counts = manager.dict()
                 procs = [ctx.Process(target=flood, args=(k, target, stop, counts,
-                                                         args.max_work))
-                         for k in ("lookup", "steps", "sessions")]
+                                                         args.max_work, args.flood_nice))
+                         for k in args.kinds.split(",")]
                 for p in procs:
                     p.start()
                 time.sleep(1.0)  # the flooders connect and spend their bursts
@@ -227,7 +248,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="server.max_work_per_call of the run (default: the daemon's)")
     ap.add_argument("--runs", type=int, default=3, help="runs (a fresh daemon each)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
+    ap.add_argument("--kinds", default="lookup,steps,sessions",
+                    help="B's flooders, comma-separated (lookup, steps, sessions)")
+    ap.add_argument("--gil-switch-interval-ms", type=float, default=None,
+                    help="server.gil_switch_interval_ms of the run (default: the daemon's)")
+    ap.add_argument("--placement", choices=("isolated", "shared"), default="isolated",
+                    help="isolated (default): the daemon on a core of its own, A and B's "
+                         "flooders on the others, the flooders at --flood-nice, as clients on "
+                         "other machines would be; shared: all of them on every core")
+    ap.add_argument("--flood-nice", type=int, default=None,
+                    help="niceness of B's flooder processes (default: 19 isolated, 0 shared)")
     args = ap.parse_args(argv)
+    if args.placement == "isolated" and len(CPUS) < 2:
+        ap.error("--placement isolated needs 2 CPUs: use --placement shared")
+    if args.flood_nice is None:
+        args.flood_nice = 19 if args.placement == "isolated" else 0
     runs = [one_run(args) for _ in range(args.runs)]
     figures = [r for _, _, r in runs]
 
@@ -238,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "budget": {"work_units_per_second": RATE, "work_units_burst": BURST},
         "max_work_per_call": args.max_work,
+        "gil_switch_interval_ms": args.gil_switch_interval_ms,
+        "placement": args.placement,
+        "flood_nice": args.flood_nice,
+        "flood_kinds": args.kinds.split(","),
         "cpus": os.cpu_count(),
         "runs": figures,
         "summary": {
