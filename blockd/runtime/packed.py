@@ -129,33 +129,30 @@ class PackedIds:
 
     def first(self, k: int) -> bytes:
         """The first ``k`` ids (fewer if there are fewer) as uint32 little-endian bytes."""
-        return decode_uint32(self._payloads, k).data
+        return _first(self._payloads, min(self.count, max(0, k)))
 
 
 def decode_uint32(payloads: list[memoryview], limit: int) -> PackedTokens:
     """The first ``limit`` varints of the packed ``payloads`` as uint32 bytes (low 32 bits of
     each, as protobuf keeps for a uint32), and how many varints they hold in all."""
-    for p in payloads:
-        if len(p) and p[-1] >= 0x80:
-            raise Malformed("a packed field ends inside a varint")
-    buf = np.frombuffer(b"".join(payloads), dtype=np.uint8)
-    count = int(np.count_nonzero(buf < 0x80))  # one terminating byte per varint
-    k = min(count, max(0, limit))
+    count = count_uint32(payloads)
+    return PackedTokens(_first(payloads, min(count, max(0, limit))), count)
+
+
+def _first(payloads: list[memoryview], k: int) -> bytes:
+    """The first ``k`` varints of well-formed payloads (``count_uint32`` checked them; at
+    least ``k`` of them) as uint32 bytes. Reads only the bytes they can lie in: 10 each at
+    most, 3 for token ids under 2**21."""
     if k == 0:
-        return PackedTokens(b"", count)
-    # The first k varints lie in the first 10k bytes; token ids under 2**21 take 3 at most.
-    head = buf[:3 * k]
+        return b""
+    head = np.frombuffer(_prefix(payloads, 3 * k), dtype=np.uint8)
     ends = np.flatnonzero(head < 0x80)[:k]
     if len(ends) < k:
-        head = buf[:10 * k]
+        head = np.frombuffer(_prefix(payloads, 10 * k), dtype=np.uint8)
         ends = np.flatnonzero(head < 0x80)[:k]
-        if len(ends) < k:
-            raise Malformed("a varint longer than 10 bytes")
     starts = np.empty(k, dtype=np.int64)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
-    if int((ends - starts).max()) >= 10:
-        raise Malformed("a varint longer than 10 bytes")
     padded = np.concatenate([head, np.zeros(5, dtype=np.uint8)])
     values = np.zeros(k, dtype=np.uint32)
     alive = np.ones(k, dtype=bool)  # whether byte j still belongs to each varint
@@ -168,4 +165,15 @@ def decode_uint32(payloads: list[memoryview], limit: int) -> PackedTokens:
         alive &= byte >= 0x80
         if not alive.any():
             break
-    return PackedTokens(values.astype("<u4").tobytes(), count)
+    return values.astype("<u4").tobytes()
+
+
+def _prefix(payloads: list[memoryview], n: int) -> bytes:
+    """The first ``n`` bytes of the payloads joined (fewer if they hold fewer)."""
+    out, left = [], n
+    for p in payloads:
+        if left <= 0:
+            break
+        out.append(p[:left])
+        left -= len(out[-1])
+    return b"".join(out)
