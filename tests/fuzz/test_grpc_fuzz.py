@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_proc import NS, Daemon, start
+from daemon_proc import NS, Daemon, start, varint
 from fuzz_support import (
     BAD_CREDENTIALS,
     COUNTS,
@@ -407,7 +407,7 @@ def test_oversized_request_gets_resource_exhausted(world: World, method: str) ->
     actor = world.sessions[0]
     for pad in (MAX_MESSAGE_BYTES + 1, 4 * MAX_MESSAGE_BYTES):
         # An unknown field: the size alone decides, before anything is parsed.
-        wire = b"\xba\x3e" + _varint(pad) + bytes(pad)  # field 999, length-delimited
+        wire = b"\xba\x3e" + varint(pad) + bytes(pad)  # field 999, length-delimited
         before = world.snapshot()
         meta = metadata_for(actor.who)
         if method == "StepStream":
@@ -420,15 +420,6 @@ def test_oversized_request_gets_resource_exhausted(world: World, method: str) ->
         assert out.details.startswith(TOO_LARGE_REQUEST), out.details
         assert stats_equal(before, world.snapshot())
         world.alive()
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def test_unparseable_unary_request_gets_grpcs_own_unknown(world: World) -> None:

@@ -165,6 +165,25 @@ class Worker:
     def stats(self) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), metadata=md(self.who))
 
+    def cache(self, tokens: list[int]) -> str:
+        """Admit ``tokens``, commit them and complete the fence: their full blocks are hits."""
+        seq = self.admit(tokens).sequence_id
+        self.step(commit(seq), completed=0)
+        self.stub.Heartbeat(pb.HeartbeatRequest(session_id=self.sid, epoch=self.epoch,
+                                                completed_fence=self.fence),
+                            metadata=md(self.who))
+        return seq
+
+
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf varint (for tests that write request bytes by hand)."""
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
 
 def admit(tokens: list[int], ns: pb.CacheNamespace = NS, **kw: Any) -> pb.Operation:
     return pb.Operation(admit=pb.AdmitOp(namespace=ns, token_ids=tokens, **kw))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from daemon_proc import NS, TENANTS, Daemon, Worker, commit, md, start
+from daemon_proc import NS, TENANTS, Daemon, Worker, md, start, varint
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,17 +27,8 @@ from blockd.server.servicer import LOOKUP_TOKEN_IDS
 S = grpc.StatusCode
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
 def _chunked(sid: str, tokens: list[int], chunks: list[int], tail: bytes = b"") -> bytes:
@@ -46,7 +37,7 @@ def _chunked(sid: str, tokens: list[int], chunks: list[int], tail: bytes = b"") 
     out = _field(1, sid.encode())
     cuts = sorted({0, len(tokens), *[c % (len(tokens) + 1) for c in chunks]})
     for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
-        out += _field(4, b"".join(_varint(t) for t in tokens[a:b]))
+        out += _field(4, b"".join(varint(t) for t in tokens[a:b]))
         if i == 0:
             out += _field(3, pb.CacheNamespace(model_id="m").SerializeToString())
     return out + tail
@@ -118,17 +109,17 @@ def test_mutated_bytes_are_refused_or_read_as_protobuf_reads_them(tokens: list[i
 def test_what_protobuf_accepts_beyond_our_encoder() -> None:
     """Varints over 32 bits keep their low 32 (as protobuf does), over 10 bytes are refused;
     an unpacked id, a group or many fields are left to protobuf's own parse."""
-    wide = _field(4, _varint(2**40 + 5) + _varint(2**64 - 1) + _varint(7))
+    wide = _field(4, varint(2**40 + 5) + varint(2**64 - 1) + varint(7))
     assert _ours(wide, 9)[:2] == ([5, 2**32 - 1, 7], 3)
     _same_as_protobuf(wide, 9)
     with pytest.raises(packed.Malformed):
         _ours(_field(4, b"\xff" * 10 + b"\x01"), 9)
     with pytest.raises(packed.Malformed):
         _ours(_field(4, b"\x05\x85"), 9)  # ends inside a varint
-    unpacked = _varint(4 << 3) + _varint(77)
-    assert _ours(_field(4, _varint(1)) + unpacked, 9) is None
+    unpacked = varint(4 << 3) + varint(77)
+    assert _ours(_field(4, varint(1)) + unpacked, 9) is None
     assert _ours(b"\x1b\x1c", 9) is None  # a group: start and end of field 3
-    many = [_varint(99 << 3) + _varint(i) for i in range(packed.MAX_FIELDS + 1)]
+    many = [varint(99 << 3) + varint(i) for i in range(packed.MAX_FIELDS + 1)]
     assert _ours(b"".join(many), 9) is None
     fewer = b"".join(many[1:])
     assert _ours(fewer, 9) == ([], 0, pb.LookupRequest.FromString(fewer))
@@ -162,19 +153,16 @@ def test_a_lookup_read_from_its_bytes_answers_as_a_parsed_one(daemon: Daemon) ->
     to protobuf), and far longer than the pool (only the pool's reach is read)."""
     w = Worker(daemon.stub(), "alice", "acme")
     prompt = list(range(5000, 5013))  # 3 full blocks of 4 and one token
-    seq = w.admit(prompt).sequence_id
-    w.step(commit(seq), completed=0)
-    w.stub.Heartbeat(pb.HeartbeatRequest(session_id=w.sid, epoch=w.epoch,
-                                         completed_fence=w.fence), metadata=md("alice"))
-    head = _field(1, w.sid.encode()) + _varint(2 << 3) + _varint(w.epoch) + _field(
+    w.cache(prompt)
+    head = _field(1, w.sid.encode()) + varint(2 << 3) + varint(w.epoch) + _field(
         3, NS.SerializeToString())
     long = prompt + list(range(7000, 7000 + 64 * 4 * 3))  # beyond 64 blocks of 4
-    unpacked = b"".join(_varint(4 << 3) + _varint(t) for t in prompt)
-    for raw in (head + _field(4, b"".join(_varint(t) for t in prompt)),
-                head + _field(4, b"".join(_varint(t) for t in prompt[:5])) + _field(
-                    4, b"".join(_varint(t) for t in prompt[5:])),
+    unpacked = b"".join(varint(4 << 3) + varint(t) for t in prompt)
+    for raw in (head + _field(4, b"".join(varint(t) for t in prompt)),
+                head + _field(4, b"".join(varint(t) for t in prompt[:5])) + _field(
+                    4, b"".join(varint(t) for t in prompt[5:])),
                 head + unpacked,
-                head + _field(4, b"".join(_varint(t) for t in long))):
+                head + _field(4, b"".join(varint(t) for t in long))):
         got = _lookup(daemon, raw, "alice")
         assert (got.num_cached_tokens, got.num_cached_blocks) == (12, 3), raw[-8:]
 
@@ -214,9 +202,9 @@ def test_the_ids_work_is_charged_with_the_bytes(daemon: Daemon) -> None:
     Lookup is still served. A varint no decoder takes is refused wherever it lies, even
     beyond the reach that is decoded, as protobuf's parse refuses it."""
     w = Worker(daemon.stub(), "bob", "globex")
-    head = _field(1, w.sid.encode()) + _varint(2 << 3) + _varint(w.epoch) + _field(
+    head = _field(1, w.sid.encode()) + varint(2 << 3) + varint(w.epoch) + _field(
         3, NS.SerializeToString())
-    ids = b"".join(_varint(t) for t in range(1000))
+    ids = b"".join(varint(t) for t in range(1000))
     for bad in (ids[:100] + b"\xff" * 10 + b"\x01" + ids[100:], ids + b"\xff" * 10 + b"\x01"):
         with pytest.raises(grpc.RpcError) as err:
             _lookup(daemon, head + _field(4, bad), "bob")
@@ -241,10 +229,7 @@ def test_a_hit_longer_than_the_first_decoded_ids_is_found_whole(tmp_path: Path) 
     try:
         w = Worker(d.stub(), "alice", "acme")
         prompt = list(range(1, 5002))  # 1250 full blocks of 4 and one token
-        seq = w.admit(prompt).sequence_id
-        w.step(commit(seq), completed=0)
-        w.stub.Heartbeat(pb.HeartbeatRequest(session_id=w.sid, epoch=w.epoch,
-                                             completed_fence=w.fence), metadata=md("alice"))
+        w.cache(prompt)
         for ids, hit in ((prompt[:5000] + list(range(90_000, 110_000)), 5000),
                          (prompt[:4097], 4096), (prompt[:4096], 4092), (prompt[:4100], 4096)):
             raw = pb.LookupRequest(session_id=w.sid, epoch=w.epoch, namespace=NS,

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_proc import NS, TENANTS, Daemon, Worker, admit, md, start
+from daemon_proc import NS, TENANTS, Daemon, Worker, admit, md, start, varint
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.runtime import step
@@ -24,22 +24,13 @@ S = grpc.StatusCode
 BURST = ATTACH_UNITS + 2000
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _unknown(n: int) -> bytes:
     """Field 1023 (length-delimited) of ``n`` bytes: no operation prices it."""
-    return b"\xfa\x3f" + _varint(n) + b"x" * n
+    return b"\xfa\x3f" + varint(n) + b"x" * n
 
 
 def _session_field(sid: str) -> bytes:
-    return b"\x0a" + _varint(len(sid.encode())) + sid.encode()
+    return b"\x0a" + varint(len(sid.encode())) + sid.encode()
 
 
 @pytest.fixture(scope="module")
