@@ -99,30 +99,33 @@ def split_field(raw: bytes, field: int) -> tuple[bytes, list[memoryview]] | None
 
 def count_uint32(payloads: list[memoryview]) -> int:
     """How many varints the packed ``payloads`` hold (one terminating byte each), without
-    decoding them, after checking that every one is well formed (terminated, at most 10
-    bytes), as protobuf's parse would: so what a request's ids cost is known, and charged,
-    before any is decoded, and a decoder that stops early (``PackedIds``) refuses nothing
-    protobuf would take."""
-    count = 0
+    decoding them: what a request's ids cost is known, and charged, before any is decoded.
+    ``check_uint32`` then refuses what protobuf's parse would."""
     for p in payloads:
         if len(p) and p[-1] >= 0x80:
             raise Malformed("a packed field ends inside a varint")
-        buf = np.frombuffer(p, dtype=np.uint8)
-        more = buf >= 0x80
-        count += len(buf) - int(np.count_nonzero(more))
-        # A run of 10 continuation bytes (a varint over 10 bytes): runs of 2, 4, 8, then 10.
+    return sum(int(np.count_nonzero(np.frombuffer(p, dtype=np.uint8) < 0x80)) for p in payloads)
+
+
+def check_uint32(payloads: list[memoryview]) -> None:
+    """Refuse a varint over 10 bytes anywhere in the payloads, as protobuf's parse does, so a
+    decoder that stops early (``PackedIds``) accepts nothing protobuf would not."""
+    for p in payloads:
+        more = np.frombuffer(p, dtype=np.uint8) >= 0x80
+        # A run of 10 continuation bytes: runs of 2, 4, 8, then 10.
         for step in (1, 2, 4, 2):
             more = more[:-step] & more[step:]
         if more.any():
             raise Malformed("a varint longer than 10 bytes")
-    return count
 
 
 class PackedIds:
-    """A request's packed token ids, counted (``count_uint32``) and decoded on demand: a
-    Lookup decodes only as many as its match reaches."""
+    """A request's packed token ids, counted (``count_uint32``), checked and decoded on
+    demand: a Lookup decodes only as many as its match reaches."""
 
     def __init__(self, payloads: list[memoryview], count: int) -> None:
+        """``count``: ``count_uint32(payloads)``; the payloads are checked here."""
+        check_uint32(payloads)
         self._payloads = payloads
         #: Every id the request carries.
         self.count = count
@@ -136,6 +139,7 @@ def decode_uint32(payloads: list[memoryview], limit: int) -> PackedTokens:
     """The first ``limit`` varints of the packed ``payloads`` as uint32 bytes (low 32 bits of
     each, as protobuf keeps for a uint32), and how many varints they hold in all."""
     count = count_uint32(payloads)
+    check_uint32(payloads)
     return PackedTokens(_first(payloads, min(count, max(0, limit))), count)
 
 

@@ -164,10 +164,11 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         p = self._raw_caller(context, request, pb.LookupRequest, "a LookupRequest")
         if isinstance(request, Message):
             request = request.SerializeToString()
-        # The token ids are cut out of the bytes (O(top-level fields)) and counted and checked
-        # with numpy, so their work is known, bounded and charged with the bytes before any is
-        # decoded; the daemon decodes only those its match reaches (``Daemon.lookup``) and
-        # protobuf parses the small rest. Where they cannot be cut out, protobuf parses it all.
+        # The token ids are cut out of the bytes (O(top-level fields)) and counted with numpy,
+        # so their work is known, bounded and charged with the bytes before any is checked or
+        # decoded; in the turn they are checked, the daemon decodes only those its match
+        # reaches (``Daemon.lookup``) and protobuf parses the small rest. Where they cannot be
+        # cut out, protobuf parses it all.
         reach = self.d.lookup_reach
         try:
             split = packed.split_field(request, LOOKUP_TOKEN_IDS)
@@ -185,7 +186,11 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             nonlocal tokens
             if split is None:
                 return _parse(pb.LookupRequest, raw, "a LookupRequest")
-            tokens = packed.PackedIds(split[1], count)  # counted and checked: decoded later
+            try:
+                tokens = packed.PackedIds(split[1], count)  # checked now, decoded later
+            except packed.Malformed:
+                raise InvalidArgument("a LookupRequest could not be parsed",
+                                      field="request") from None
             return _parse(pb.LookupRequest, split[0], "a LookupRequest")
 
         async with self._raw_turn(p, request, pb.LookupRequest, "a LookupRequest", parse,
