@@ -187,6 +187,16 @@ def spawn_placed(cfg: Path, cwd: Path, placement: str) -> Any:
     return launched
 
 
+def spin(cpu: int, stop: Any) -> None:
+    """Keep one CPU from idling (``--keep-awake``), at the lowest priority there is
+    (SCHED_IDLE: it runs only when nothing else on that CPU wants to)."""
+    os.sched_setaffinity(0, {cpu})
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while not stop.is_set():
+        for _ in range(100_000):
+            pass
+
+
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1] if len(xs) > 1 else xs[0]
 
@@ -195,6 +205,11 @@ def one_run(args: argparse.Namespace) -> tuple[list[float], list[float], dict[st
     """One daemon: A alone, A beside B's flood, A alone again."""
     ctx = mp.get_context("spawn")
     load_before = os.getloadavg()
+    awake = ctx.Event()
+    spinners = [ctx.Process(target=spin, args=(c, awake)) for c in CPUS] if args.keep_awake \
+        else []
+    for sp in spinners:
+        sp.start()
     with tempfile.TemporaryDirectory(prefix="blockd-fair-") as tmp:
         launched = spawn_placed(config(Path(tmp), args.max_work, args.gil_switch_interval_ms),
                                 Path(tmp), args.placement)
@@ -228,6 +243,9 @@ def one_run(args: argparse.Namespace) -> tuple[list[float], list[float], dict[st
             raise
         finally:
             terminate(launched.proc)
+            awake.set()
+            for sp in spinners:
+                sp.join(10)
     res: dict[str, Any] = {
         "a_alone": {"steps": len(alone), "p50_ms": pct(alone, 0.5), "p99_ms": pct(alone, 0.99)},
         "a_flooded": {"steps": len(flooded), "p50_ms": pct(flooded, 0.5),
@@ -250,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--kinds", default="lookup,steps,sessions",
                     help="B's flooders, comma-separated (lookup, steps, sessions)")
+    ap.add_argument("--keep-awake", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep every CPU from idling with a SCHED_IDLE spinner (default): on "
+                         "this VM a halted vCPU takes milliseconds to wake, which inflates the "
+                         "quiet phases (A alone) and not the flooded one")
     ap.add_argument("--gil-switch-interval-ms", type=float, default=None,
                     help="server.gil_switch_interval_ms of the run (default: the daemon's)")
     ap.add_argument("--placement", choices=("isolated", "shared"), default="isolated",
@@ -275,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_work_per_call": args.max_work,
         "gil_switch_interval_ms": args.gil_switch_interval_ms,
         "placement": args.placement,
+        "keep_awake": args.keep_awake,
         "flood_nice": args.flood_nice,
         "flood_kinds": args.kinds.split(","),
         "cpus": os.cpu_count(),
