@@ -356,8 +356,8 @@ class Daemon:
     def lookup(self, principal: Principal, req: pb.LookupRequest,
                packed: PackedIds | None = None) -> pb.LookupResponse:
         """``packed``: the request's token ids read from its bytes, in place of
-        ``req.token_ids``, whose work the server charged with the bytes (``charge_bytes``).
-        They are decoded only as far as the match goes: the first ``LOOKUP_FIRST_IDS``, four
+        ``req.token_ids``. Their work is charged before any is decoded, and they are decoded
+        only as far as the match goes: the first ``LOOKUP_FIRST_IDS``, four
         times more while the hit covers all of them (a prefix's hit is the prompt's hit
         wherever it ends short of the prefix), so a miss decodes a few thousand ids of a
         256k-token prompt and a full hit at most ~1.3x its ids."""
@@ -369,8 +369,8 @@ class Daemon:
         n = min(count, self.lookup_reach)
         step.check_work(self.limits, n, "Lookup", "token_ids")
         scope = convert.scope(req.namespace)
+        self.budgets.charge(info.tenant_id, n)
         if packed is None:
-            self.budgets.charge(info.tenant_id, n)
             hit = self.manager.lookup(info.id, scope, tokens[:n] if len(tokens) > n else tokens)
         else:
             B, size = self.spec.block_size, min(n, LOOKUP_FIRST_IDS)

@@ -99,8 +99,8 @@ def split_field(raw: bytes, field: int) -> tuple[bytes, list[memoryview]] | None
 
 def count_uint32(payloads: list[memoryview]) -> int:
     """How many varints the packed ``payloads`` hold (one terminating byte each), without
-    decoding them: what a request's ids cost is known, and charged, before any is decoded.
-    ``check_uint32`` then refuses what protobuf's parse would."""
+    decoding them: what a request's ids cost is known, and charged, before any is decoded
+    (``check_uint32`` refuses what protobuf's parse would)."""
     for p in payloads:
         if len(p) and p[-1] >= 0x80:
             raise Malformed("a packed field ends inside a varint")
@@ -123,12 +123,11 @@ class PackedIds:
     """A request's packed token ids, counted (``count_uint32``), checked and decoded on
     demand: a Lookup decodes only as many as its match reaches."""
 
-    def __init__(self, payloads: list[memoryview], count: int) -> None:
-        """``count``: ``count_uint32(payloads)``; the payloads are checked here."""
+    def __init__(self, payloads: list[memoryview]) -> None:
+        #: Every id the request carries.
+        self.count = count_uint32(payloads)
         check_uint32(payloads)
         self._payloads = payloads
-        #: Every id the request carries.
-        self.count = count
 
     def first(self, k: int) -> bytes:
         """The first ``k`` ids (fewer if there are fewer) as uint32 little-endian bytes."""

@@ -111,16 +111,15 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     @asynccontextmanager
     async def _raw_turn(self, p: Principal, raw: bytes, cls: type[M], what: str,
-                        parse: Callable[[bytes], M] | None = None, units: int | None = None,
-                        work: int = 0) -> AsyncIterator[tuple[M, Callable[[int], None]]]:
+                        parse: Callable[[bytes], M] | None = None, units: int | None = None
+                        ) -> AsyncIterator[tuple[M, Callable[[int], None]]]:
         """A Step's or Lookup's turn, taken on its raw bytes (``RAW_REQUESTS``): queued under
         the tenant of its leading session id (``step.leading_session_id``) and priced by what
         reading its bytes costs (``units``; default ``parse_units`` of its size), that price
         charged to the same budget before it is parsed (``charge_bytes``: over budget, it is
         refused unparsed), then parsed (``parse``; default protobuf's); malformed bytes are
         INVALID_ARGUMENT. The body gets the request and ``spend`` for its work beyond its
-        bytes' price; ``work`` known before parsing (a Lookup's ids, bounded by the caller)
-        is priced and charged with the bytes. Bytes whose reading alone costs more than
+        bytes' price. Bytes whose reading alone costs more than
         ``server.max_work_per_call`` are refused first (RESOURCE_EXHAUSTED ``work``, field
         ``request``), outside any turn: it is O(1)."""
         if isinstance(raw, Message):  # registered with the generated deserializers
@@ -129,8 +128,8 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         step.check_work(self.d.limits, units, f"request of {len(raw)} bytes", "request")
         sid = step.leading_session_id(raw)
         key = self.d.gate_key(p, session_id=sid)
-        async with self.gate.turn(key, units + work) as spend:
-            self.d.charge_bytes(p, key, sid, units + work)
+        async with self.gate.turn(key, units) as spend:
+            self.d.charge_bytes(p, key, sid, units)
             yield (_parse(cls, raw, what) if parse is None else parse(raw)), spend
 
     @_rpc
@@ -164,22 +163,17 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         p = self._raw_caller(context, request, pb.LookupRequest, "a LookupRequest")
         if isinstance(request, Message):
             request = request.SerializeToString()
-        # The token ids are cut out of the bytes (O(top-level fields)) and counted with numpy,
-        # so their work is known, bounded and charged with the bytes before any is checked or
-        # decoded; in the turn they are checked, the daemon decodes only those its match
-        # reaches (``Daemon.lookup``) and protobuf parses the small rest. Where they cannot be
-        # cut out, protobuf parses it all.
-        reach = self.d.lookup_reach
+        # The token ids are cut out of the bytes (O(top-level fields), before the turn); in the
+        # turn, once the bytes are paid for, they are counted and checked with numpy, the
+        # daemon charges their work and decodes only those its match reaches
+        # (``Daemon.lookup``), and protobuf parses the small rest. Where they cannot be cut
+        # out, protobuf parses it all.
         try:
             split = packed.split_field(request, LOOKUP_TOKEN_IDS)
-            count = 0 if split is None else packed.count_uint32(split[1])
         except packed.Malformed:
             split = None  # priced as a parse, which then refuses it (after the rate check)
-        units = None
-        if split is not None:
-            step.check_tokens(self.d.limits, range(count), "token_ids")
-            step.check_work(self.d.limits, min(count, reach), "Lookup", "token_ids")
-            units = parse_units(len(split[0])) + scan_units(len(request) - len(split[0]))
+        units = None if split is None else (parse_units(len(split[0]))
+                                            + scan_units(len(request) - len(split[0])))
         tokens: PackedIds | None = None
 
         def parse(raw: bytes) -> pb.LookupRequest:
@@ -187,17 +181,16 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             if split is None:
                 return _parse(pb.LookupRequest, raw, "a LookupRequest")
             try:
-                tokens = packed.PackedIds(split[1], count)  # checked now, decoded later
+                tokens = packed.PackedIds(split[1])  # counted and checked, decoded later
             except packed.Malformed:
                 raise InvalidArgument("a LookupRequest could not be parsed",
                                       field="request") from None
             return _parse(pb.LookupRequest, split[0], "a LookupRequest")
 
         async with self._raw_turn(p, request, pb.LookupRequest, "a LookupRequest", parse,
-                                  units, 0 if split is None else min(count, reach)) as (
-                req, spend):
-            if tokens is None:  # parsed whole: its ids are priced now
-                spend(min(len(req.token_ids), reach, self.d.limits.max_work_per_call))
+                                  units) as (req, spend):
+            count = len(req.token_ids) if tokens is None else tokens.count
+            spend(min(count, self.d.lookup_reach, self.d.limits.max_work_per_call))
             return self.d.lookup(p, req, tokens)
 
     @_rpc
