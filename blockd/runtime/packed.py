@@ -5,7 +5,7 @@ of varints, which protobuf parses into a repeated field (2.4 ms on the loop) tha
 then copies into a list and into uint32 bytes (4 ms more), although no hit can cover more
 than the pool's tokens. ``split_field`` instead cuts the packed field's payloads out of the
 message bytes (a walk over the top-level fields only: a handful), protobuf parses the small
-rest, and ``decode_uint32`` turns only the varints needed into uint32 bytes with numpy and
+rest, and ``PackedIds`` turns only the varints needed into uint32 bytes with numpy and
 counts the others without decoding them.
 
 It follows protobuf's rules for what it accepts: a repeated scalar may come packed in several
@@ -16,8 +16,6 @@ malformed (``Malformed``; the caller answers INVALID_ARGUMENT as for any unparse
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,16 +28,6 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 class Malformed(ValueError):
     """The bytes are not a protobuf message."""
-
-
-@dataclass(frozen=True, slots=True)
-class PackedTokens:
-    """The first token ids of a request as uint32 little-endian bytes, and how many it had."""
-
-    #: ``min(count, limit)`` token ids, 4 bytes each.
-    data: bytes
-    #: Every token id the request carried.
-    count: int
 
 
 def _varint(raw: bytes | memoryview, i: int) -> tuple[int, int]:
@@ -132,14 +120,6 @@ class PackedIds:
     def first(self, k: int) -> bytes:
         """The first ``k`` ids (fewer if there are fewer) as uint32 little-endian bytes."""
         return _first(self._payloads, min(self.count, max(0, k)))
-
-
-def decode_uint32(payloads: list[memoryview], limit: int) -> PackedTokens:
-    """The first ``limit`` varints of the packed ``payloads`` as uint32 bytes (low 32 bits of
-    each, as protobuf keeps for a uint32), and how many varints they hold in all."""
-    count = count_uint32(payloads)
-    check_uint32(payloads)
-    return PackedTokens(_first(payloads, min(count, max(0, limit))), count)
 
 
 def _first(payloads: list[memoryview], k: int) -> bytes:

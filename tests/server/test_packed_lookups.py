@@ -48,8 +48,8 @@ def _ours(raw: bytes, limit: int) -> tuple[list[int], int, pb.LookupRequest] | N
     if split is None:
         return None
     rest, payloads = split
-    got = packed.decode_uint32(payloads, limit)
-    return array.array("I", got.data).tolist(), got.count, pb.LookupRequest.FromString(rest)
+    ids = packed.PackedIds(payloads)
+    return array.array("I", ids.first(limit)).tolist(), ids.count, pb.LookupRequest.FromString(rest)
 
 
 def _same_as_protobuf(raw: bytes, limit: int) -> None:
@@ -220,11 +220,13 @@ def test_a_varint_protobuf_refuses_is_refused_wherever_it_lies(daemon: Daemon) -
     head = _field(1, w.sid.encode()) + varint(2 << 3) + varint(w.epoch) + _field(
         3, NS.SerializeToString())
     ids = b"".join(varint(t) for t in range(1000))
+    before = w.stats()
     for bad in (ids[:100] + b"\xff" * 10 + b"\x01" + ids[100:], ids + b"\xff" * 10 + b"\x01"):
         with pytest.raises(grpc.RpcError) as err:
             _lookup(daemon, head + _field(4, bad), "alice")
         assert err.value.code() == S.INVALID_ARGUMENT, err.value.details()
         assert err.value.details() == "request: a LookupRequest could not be parsed"
+    assert w.stats() == before
     assert _lookup(daemon, head + _field(4, ids), "alice").num_cached_tokens == 0
 
 
