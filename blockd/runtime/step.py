@@ -21,6 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.core.errors import BlockdError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from blockd.core.manager import BlockManager
@@ -152,11 +154,21 @@ def check_tokens(limits: StepLimits | None, tokens: Any, field: str) -> Any:
     return tokens
 
 
+#: From this many token ids on, ``token_bytes`` copies a field through numpy.
+NUMPY_TOKENS = 128
+
+
 def token_bytes(limits: StepLimits | None, tokens: Any, field: str) -> bytes:
-    """A repeated uint32 field (refused if longer than the limit) as the core's uint32 bytes:
-    through a list (``tokens[:]``, one C copy), twice as fast as iterating the field (0.5
-    against 1.1 ms for 16k token ids)."""
-    return array("I", check_tokens(limits, tokens, field)[:]).tobytes()
+    """A repeated uint32 field (refused if longer than the limit) as the core's uint32 bytes.
+
+    A long field goes through numpy, which reads protobuf's repeated field through its
+    ``__array__`` in one C copy: 0.01 ms for 16k token ids, against 0.5 ms through a list
+    (``tokens[:]``), which keeps the few ids of a decode step cheaper (0.7 against 5 us for
+    one id; even at about 128)."""
+    check_tokens(limits, tokens, field)
+    if len(tokens) >= NUMPY_TOKENS:
+        return np.asarray(tokens, dtype="<u4").tobytes()
+    return array("I", tokens[:]).tobytes()
 
 
 def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size: int,
@@ -226,7 +238,7 @@ def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.S
                                           copies, limits):
                     errors[convert.status_name(code)] += 1
             elif kind == "append":
-                tokens = check_tokens(limits, op.append.token_ids, "token_ids")
+                tokens = token_bytes(limits, op.append.token_ids, "token_ids")
                 out = m.append(sid, op.append.sequence_id, tokens, req.fence)
                 if isinstance(out, DoesNotFit):
                     _failed(result, out, i, kind, errors)
