@@ -146,6 +146,7 @@ class Daemon:
         self._resumed = saved is not None and bool(saved.sessions)
         for s in saved.sessions if saved is not None else ():
             self.sessions.restore(s)
+        self.sessions.restore_revoked(saved.revoked if saved is not None else {})
         #: Live sequence ids per tenant, sorted: ListSequences pages in O(page).
         self.index = SequenceIndex(self.partitions, self.sessions, self.budgets, self.limits,
                                    self.spec.block_size)
@@ -417,14 +418,14 @@ class Daemon:
             tenant_id = info.tenant_id if info is not None else ""
         return charge_key(principal, tenant_id)
 
-    def charge_bytes(self, principal: Principal, key: str, session_id: str, units: int
-                     ) -> None:
+    def charge_bytes(self, principal: Principal, key: str, session_id: str, units: int,
+                     need: int = 0) -> None:
         """Before a Step or Lookup is parsed, in its turn: the ``units`` of reading its bytes
-        (``budgets.parse_units``, ``scan_units``) from the budget of its gate key; refused for
-        rate (nothing parsed), the caller's own session still counts as alive, as for a Step
-        refused for rate after parsing."""
+        (``budgets.parse_units``, ``scan_units``) from the budget of its gate key, if it holds
+        ``need`` (``budgets.reading_need``); refused for rate (nothing parsed), the caller's
+        own session still counts as alive, as for a Step refused for rate after parsing."""
         try:
-            self.budgets.charge(key, units)
+            self.budgets.charge(key, units, need)
         except OverBudget:
             if (info := self.sessions.find(session_id)) and info.owner == principal.name:
                 self.sessions.renew(info)

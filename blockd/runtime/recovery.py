@@ -46,7 +46,7 @@ import os
 import pickle
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blockd import logs
@@ -86,6 +86,9 @@ class Saved:
     manager: Partitions
     epoch: int
     sessions: list[SavedSession]
+    #: Closed revoked sessions -> why (``Sessions.saved_revoked``): their next call, after
+    #: any number of restarts, still says why.
+    revoked: dict[str, str] = field(default_factory=dict)
 
 
 class Recovery:
@@ -147,7 +150,7 @@ class Recovery:
                             f"{exc})")
             return None
         self.generation = state["generation"]
-        return Saved(manager, state["epoch"], state["sessions"])
+        return Saved(manager, state["epoch"], state["sessions"], state.get("revoked", {}))
 
     def _new_epoch(self, problem: str) -> None:
         if self.store is not None:
@@ -266,7 +269,7 @@ class Recovery:
             "spec": dataclasses.asdict(spec), "epoch": epoch,
             "generation": self.generation + 1, "partitions": parts.dump(),
             "layout": dict(parts.layout),
-            "sessions": sessions.saved(),
+            "sessions": sessions.saved(), "revoked": sessions.saved_revoked(),
         }
         self._snapshot_bytes = store.write_snapshot(state)
         self.generation += 1

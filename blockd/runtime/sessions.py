@@ -209,6 +209,15 @@ class Sessions:
                  i.last_response.SerializeToString() if i.last_response is not None else None)
                 for i in self._by_id.values()]
 
+    def saved_revoked(self) -> dict[str, str]:
+        """What a snapshot keeps of the closed revoked sessions (see ``restore_revoked``)."""
+        return dict(self._revoked)
+
+    def restore_revoked(self, revoked: dict[str, str]) -> None:
+        """The closed revoked sessions of a snapshot, oldest first (the last ``MAX_REVOKED``)."""
+        for sid, why in list(revoked.items())[-MAX_REVOKED:]:
+            self._revoked[str(sid)] = str(why)
+
     def _add(self, sid: str, tenant_id: str, owner: str, worker_name: str,
              lease_ms: int) -> SessionInfo:
         """The daemon's side of a core session, with a full lease and its fence page."""

@@ -284,3 +284,27 @@ def test_a_revocation_is_replayed_after_kill9(tmp_path: Path) -> None:
         _check_removed(d, multi, live)
     finally:
         d.stop()
+
+
+def test_a_closed_revoked_session_still_says_why_after_restarts(tmp_path: Path) -> None:
+    """A revoked session the worker detached is remembered with its reason, in the journal
+    and then in the snapshot every start writes: after two restarts its next call is still
+    FAILED_PRECONDITION naming why, not NOT_FOUND."""
+    from test_crash_recovery import kill9, restart
+
+    d = start(tmp_path, num_blocks=64, lease_ms=30_000, tenants=_file(),
+              extra={"state": {"dir": str(tmp_path / "state")}})
+    try:
+        multi, _alice, _live = _seeded(d)
+        _reload(d, _without_acme(), "tenants reloaded")
+        multi.stub.Detach(pb.DetachRequest(session_id=multi.sid), metadata=md("multi"))
+        for _ in range(2):  # the second start reads the reason from the first's snapshot
+            kill9(d)
+            d = restart(d)
+        multi.stub = d.stub()
+        code, details = _code(lambda: multi.stub.Heartbeat(pb.HeartbeatRequest(
+            session_id=multi.sid, epoch=multi.epoch), metadata=md("multi")))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert "tenant 'acme' was removed" in details, details
+    finally:
+        d.stop()
