@@ -18,7 +18,6 @@ import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from blockd import options, wire
@@ -26,6 +25,7 @@ from blockd.core.errors import InvalidArgument
 from blockd.core.spec import PoolSpec
 from blockd.handles_config import HandlesConfig
 from blockd.options import Setting, option
+from blockd.paths import default_handle_socket, default_unix_socket, runtime_dir  # noqa: F401 (re-exported)
 
 ENV_PREFIX = "BLOCKD_"
 #: ``BLOCKD_*`` variables that are not the daemon's configuration but blockctl's and
@@ -34,32 +34,6 @@ CLIENT_ENV = ("BLOCKD_TARGET", "BLOCKD_TOKEN", "BLOCKD_TOKEN_FILE", "BLOCKD_HAND
 #: The longest Unix socket path the kernel takes (``sun_path`` is 108 bytes, NUL included).
 MAX_UNIX_PATH = 107
 LOG_LEVELS, LOG_FORMATS = ("DEBUG", "INFO", "WARNING", "ERROR"), ("kv", "json")
-
-
-# -- the default socket paths (shared with blockctl) ------------------------------------------
-
-def runtime_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """``${XDG_RUNTIME_DIR:-/tmp}/blockd-<uid>``: where the default sockets live.
-
-    Absolute, so a daemon and a ``blockctl`` started in different directories meet; per user,
-    so two users' daemons do not collide. The daemon creates it 0700 and refuses one owned by
-    another user or open to others (``blockd.server.endpoints``). Only computed here.
-    """
-    env = os.environ if environ is None else environ
-    base = env.get("XDG_RUNTIME_DIR", "")
-    if not os.path.isabs(base):
-        base = "/tmp"
-    return Path(base) / f"blockd-{os.getuid()}"
-
-
-def default_unix_socket() -> str:
-    """The gRPC Unix socket a daemon listens on and blockctl dials by default."""
-    return str(runtime_dir() / "blockd.sock")
-
-
-def default_handle_socket() -> str:
-    """The handle socket (pool file descriptors) a daemon serves by default."""
-    return str(runtime_dir() / "blockd-pool.sock")
 
 
 def _check_address(value: str, where: str) -> None:
@@ -281,12 +255,16 @@ class TenantsConfig:
     work_units_burst: float = option(
         2_000_000.0, "Work units a tenant may spend at once after being idle (the bucket's "
                      "size); a call costing more needs a full bucket.")
+    rate_refusal_hold_ms: int = option(
+        250, "A refusal for rate is answered once its retry hint has passed, up to this long "
+             "(at most 8 held per tenant; 0: at once): ignoring the hints makes no flood.")
 
     def __post_init__(self) -> None:
         _check_positive(self, "tenants", "work_units_burst")
-        if self.work_units_per_second < 0:
-            raise InvalidArgument("tenants.work_units_per_second: must not be negative",
-                                  field="tenants.work_units_per_second")
+        for name in ("work_units_per_second", "rate_refusal_hold_ms"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"tenants.{name}: must not be negative",
+                                      field=f"tenants.{name}")
 
 
 @dataclass(frozen=True)

@@ -41,13 +41,20 @@ class OverBudget(ResourceExhausted):
     """The tenant spent its work budget: retry after ``retry_after_ms``."""
 
     def __init__(self, tenant_id: str, cost: int, rate: float, burst: float,
-                 retry_after_ms: int) -> None:
+                 retry_after_ms: int, need: int = 0) -> None:
+        price = f"needs {need}" if need > cost else f"costs {cost}"
         super().__init__(
             f"rate: tenant {tenant_id!r} is over its work budget (tenants.work_units_per_second"
-            f"={rate:g}, tenants.work_units_burst={burst:g}; this call costs {cost} units): "
+            f"={rate:g}, tenants.work_units_burst={burst:g}; this call {price} units): "
             f"retry after {retry_after_ms} ms", reason=REASON)
         self.tenant_id = tenant_id
         self.retry_after_ms = retry_after_ms
+        self._args = (tenant_id, cost, rate, burst, need)
+
+    def waited(self, ms: int) -> OverBudget:
+        """The same refusal answered ``ms`` later: its hint less the time waited."""
+        tenant_id, cost, rate, burst, need = self._args
+        return OverBudget(tenant_id, cost, rate, burst, max(0, self.retry_after_ms - ms), need)
 
 #: A request's bytes are work too: the server parses a Step or Lookup in its tenant's turn and
 #: first charges ``parse_units`` of its size (about 3 ns of protobuf parsing per byte, a unit
@@ -70,6 +77,16 @@ SCAN_BYTES_PER_UNIT = 1024
 def scan_units(nbytes: int) -> int:
     """The work units of counting ``nbytes`` bytes of packed token ids."""
     return nbytes // SCAN_BYTES_PER_UNIT
+
+
+def reading_need(units: int, id_bytes: int, most: int) -> int:
+    """What a tenant's bucket must hold before a request whose reading costs ``units`` is
+    read: those units and one per byte that can hold a token id (``id_bytes``; a varint is at
+    least one byte), up to ``most``, the most work the request can then be charged. A request
+    its tenant could not pay for once read is refused unread: a flood of requests over the
+    budget costs no parsing (a refused Step used to be parsed, ~1 ms per 257 KB, before its
+    work was found over the budget)."""
+    return units + min(id_bytes, most)
 
 
 @dataclass(slots=True)
@@ -111,8 +128,12 @@ class WorkBudgets:
         for t, b in self._buckets.items():
             b.level = min(b.level, self.limits(t)[1])
 
-    def charge(self, tenant_id: str, units: int) -> None:
-        """Take ``units`` from the tenant's bucket, or raise ``OverBudget`` taking nothing."""
+    def charge(self, tenant_id: str, units: int, need: int = 0) -> None:
+        """Take ``units`` from the tenant's bucket, or raise ``OverBudget`` taking nothing.
+
+        ``need``: what the bucket must hold for the call to go on, when that is more than
+        ``units`` (a request's bytes are paid for before it is parsed, but it goes on only if
+        the bucket could also pay the most work its bytes can carry: ``reading_need``)."""
         rate, burst = self.limits(tenant_id) if self._overrides else (self.rate, self.burst)
         if rate <= 0:
             return
@@ -124,10 +145,11 @@ class WorkBudgets:
             b.level = min(burst, b.level + (now - b.at) * rate)
             b.at = now
         cost = min(float(units), burst)
-        if b.level < cost:
+        required = min(float(max(units, need)), burst)
+        if b.level < required:
             self.refused[tenant_id] += 1
-            wait_ms = max(1, int((cost - b.level) / rate * 1000) + 1)
-            raise OverBudget(tenant_id, units, rate, burst, wait_ms)
+            wait_ms = max(1, int((required - b.level) / rate * 1000) + 1)
+            raise OverBudget(tenant_id, units, rate, burst, wait_ms, need)
         b.level -= cost
 
     def forget(self, keep: set[str]) -> None:

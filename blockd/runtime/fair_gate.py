@@ -60,8 +60,13 @@ class FairGate:
         return sum(len(t.waiting) for t in self._tenants.values())
 
     @asynccontextmanager
-    async def turn(self, key: str, cost: int) -> AsyncIterator[Callable[[int], None]]:
+    async def turn(self, key: str, cost: int, *, resume: bool = False
+                   ) -> AsyncIterator[Callable[[int], None]]:
         """Wait for ``key``'s turn, hold it for the body, then hand it on.
+
+        ``resume``: the next turn of a call that already had one (its work, after its
+        reading): it waits at the front of its tenant's queue, so the tenant's calls keep
+        their order, and other tenants' calls are served in between as for any turn.
 
         The body gets ``spend(units)``: work found only once the turn was taken (a request
         parsed in its turn, priced by its bytes until then), taken from the tenant's deficit
@@ -73,7 +78,10 @@ class FairGate:
         if t is None:
             t = self._tenants[key] = _Tenant()
             self._ring.append(key)
-        t.waiting.append((fut, CALL_UNITS + max(0, cost)))
+        if resume:
+            t.waiting.appendleft((fut, max(0, cost)))
+        else:
+            t.waiting.append((fut, CALL_UNITS + max(0, cost)))
         self._kick(loop)
         try:
             await fut

@@ -35,6 +35,7 @@ from blockd.core.errors import FailedPrecondition, Internal
 from blockd.pools.handles import HandleServer
 from blockd.runtime import daemon as runtime
 from blockd.runtime.kv_events import KvEventPublisher
+from blockd.runtime.refusal_holds import RefusalHolds
 from blockd.server.endpoints import (
     SocketClaim,
     check_port,
@@ -160,7 +161,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         stack.callback(daemon.close)
         metrics = Metrics()
         metrics.bind(daemon, events=publisher)
-        servicer = BlockdServicer(daemon, metrics)
+        servicer = BlockdServicer(daemon, metrics,
+                                  holds=RefusalHolds(cfg.tenants.rate_refusal_hold_ms))
         if publisher is not None:
             daemon.events.add_listener(publisher.submit)
             stack.callback(daemon.events.remove_listener, publisher.submit)

@@ -132,3 +132,30 @@ def test_work_spent_inside_a_turn_makes_the_tenant_wait_more_visits() -> None:
     order = asyncio.run(run(2000))
     assert order == ["a0", "b2", "b3", "b4", "b5", "b6", "b7", "b8", "a1"] + [
         f"b{i}" for i in range(9, 14)], order
+
+
+def test_a_resumed_turn_waits_at_the_front_of_its_tenants_queue() -> None:
+    """A large request's work gets a second turn (``resume``): another tenant's call is served
+    between its reading and its work (which costs more than what is left of the visit), and
+    the tenant's own next call stays behind it."""
+    gate = FairGate(quantum=4096)
+
+    async def run() -> list[str]:
+        served: list[str] = []
+
+        async def large() -> None:
+            async with gate.turn("b", 100):
+                served.append("b0-read")
+            async with gate.turn("b", 20_000, resume=True):
+                served.append("b0-work")
+
+        async def small(name: str, key: str) -> None:
+            async with gate.turn(key, 100):
+                served.append(name)
+
+        await asyncio.gather(large(), small("b1", "b"), small("a0", "a"))
+        return served
+
+    order = asyncio.run(run())
+    assert order == ["b0-read", "a0", "b0-work", "b1"], order
+    assert gate.waiting == 0

@@ -197,8 +197,9 @@ def test_bytes_over_the_per_call_bound_are_refused_unparsed(daemon: Daemon) -> N
 
 def test_the_ids_work_is_charged_before_any_is_decoded(daemon: Daemon) -> None:
     """globex's bucket pays for one Lookup of the pool's reach, not two: the second is refused
-    for rate although its bytes cost a few units (its ids are counted and their work charged
-    before any is decoded); the refusal took nothing more, so a small Lookup is still
+    for rate although its bytes cost a few units, before its ids are even counted (the bucket
+    must hold the bytes' units and the most work their ids can cost, ``reading_need``: here
+    the pool's reach, 257 ids); the refusal took nothing, so a small Lookup is still
     served."""
     w = Worker(daemon.stub(), "bob", "globex")
     head = _field(1, w.sid.encode()) + varint(2 << 3) + varint(w.epoch) + _field(
@@ -209,7 +210,8 @@ def test_the_ids_work_is_charged_before_any_is_decoded(daemon: Daemon) -> None:
         _lookup(daemon, head + _field(4, ids), "bob")
     assert err.value.code() == S.RESOURCE_EXHAUSTED, err.value.details()
     assert err.value.details().startswith("rate: tenant 'globex'"), err.value.details()
-    assert "this call costs 257 units" in err.value.details(), err.value.details()
+    # The bytes cost parse_units(head) + scan_units(ids): 1 + 1 units.
+    assert "this call needs 259 units" in err.value.details(), err.value.details()
     assert _lookup(daemon, head + _field(4, ids[:3]), "bob").num_cached_tokens == 0
 
 
