@@ -7,22 +7,26 @@ default). Every call waits for its tenant's turn in the daemon's fair gate
 (``blockd/runtime/fair_gate.py``). Tenant A runs a normal
 worker loop on one session: admit a 64-token prompt, 16 decode Steps of one appended token
 (each naming a fence and completing the previous one), release; the latency of every Step is
-recorded. Phases, same daemon: A alone, A beside B's flood, A alone again (the "alone" figures
-are both alone phases together, so a drift of the machine shows up on both sides).
+recorded. Phases, same daemon: A alone, A beside B's client work only (the control, below), A
+beside B's flood, A alone again (the "alone" figures are both alone phases together, so a drift
+of the machine shows up on both sides).
 
 B's flood, from separate processes (so the flooders' client work does not share A's GIL), each
 as fast as it can and ignoring the retry hints: Lookups of long prompts (256k tokens; the
 daemon looks at most at the longest possible hit), huge Steps (admits at the per-call bound),
-sized to the per-call bound), and many sessions (Attach/Detach in a loop). Refusals (rate,
-work) are counted, not errors.
+and many sessions (Attach/Detach in a loop). Refusals (rate, work) are counted, not errors.
 
-Step, StepStream and Lookup requests are parsed in their tenant's turn, their bytes charged to
-its budget first (``blockd/server/servicer.py``), so B's refused floods cost no parsing.
+Placement (``--placement isolated``, the default): the daemon on a core of its own; A's client
+and B's flooders on the other, the flooders at SCHED_IDLE (``--flood-sched``), so that they run
+when A's client waits, as clients on other machines would never take A's CPU. The control
+phase measures what is left of that sharing: the same flooder processes build and serialize
+the same requests as fast as they can and send none, so whatever they do to A's latency is the
+harness's, not the daemon's (on this 2-vCPU VM the two vCPUs may share a physical core).
 
 Reports, for each of ``--runs`` runs (a fresh daemon each; the 1-minute load average before and
-after, since the flooders, A and the daemon share the host's cores), A's p50/p99 alone and under
-the flood and their ratios (the goal: p99 within 2x) and B's calls served and refused; then the
-medians, minima and maxima over the runs. Writes bench/results/fairness.json and
+after), A's p50/p99 alone, beside the control and under the flood, the ratios to A alone (the
+goal: p99 within 2x under the flood) and B's calls served and refused; then the medians,
+minima and maxima over the runs. Writes bench/results/fairness.json and
 bench/results/fairness.png (the latencies of every run; ``--tag`` adds a suffix).
 No timed assertion: the figures are the result.
 """
@@ -130,31 +134,76 @@ def a_phase(stub: pb_grpc.BlockdServiceStub, att: pb.AttachResponse, state: dict
     return out
 
 
-def flood(kind: str, target: str, stop: Any, counts: Any, max_work: int, nice: int) -> None:
-    """One of B's flooders, until ``stop`` is set; outcomes counted in ``counts``."""
-    if nice:
+def lower(sched: str, nice: int) -> None:
+    """This process at B's flooders' priority: SCHED_IDLE ("idle": it runs only when nothing
+    else on its CPU wants to) or ``nice``."""
+    if sched == "idle":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif nice:
         os.nice(nice)
+
+
+def control(kind: str, stop: Any, counts: Any, max_work: int, sched: str, nice: int) -> None:
+    """One of B's flooders without the daemon (the control phase): it builds the requests
+    ``flood`` sends (a copy of the Lookup's bytes, a huge Step's bytes, an AttachRequest), as
+    fast as it can, and sends none. What it does to A's latency is the harness's own sharing
+    of A's CPU, nothing of the daemon's."""
+    lower(sched, nice)
+    lookup, ops = requests("b" * 24, 1, max_work)
+    n = 0
+    while not stop.is_set():
+        n += 1
+        if kind == "lookup":
+            bytearray(lookup)
+        elif kind == "steps":
+            step_bytes("b" * 24, 1, n, ops)
+        else:
+            pb.AttachRequest(worker_name="b", tenant_id="b", layout=LAYOUT).SerializeToString()
+    counts[kind] = {"built": n}
+
+
+def requests(session_id: str, epoch: int, max_work: int) -> tuple[bytes, bytes]:
+    """B's Lookup of a long prompt, and the operations of its huge Step (eight admits summing
+    to just under server.max_work_per_call), serialized once: a flooder sends bytes, as a
+    hostile client would, so that its own work per call is small."""
+    lookup = pb.LookupRequest(session_id=session_id, epoch=epoch, namespace=NS,
+                              token_ids=range(1 << 18)).SerializeToString()
+    n = max(1, max_work // 8 - 256 - 8)
+    huge = [pb.Operation(admit=pb.AdmitOp(namespace=NS, token_ids=range(i, i + n)))
+            for i in range(8)]
+    return lookup, pb.StepRequest(operations=huge).SerializeToString()
+
+
+def step_bytes(session_id: str, epoch: int, step_id: int, ops: bytes) -> bytes:
+    """A StepRequest's bytes: its leading fields, then serialized operations (protobuf merges
+    concatenated messages; the session id stays the leading field)."""
+    return pb.StepRequest(session_id=session_id, epoch=epoch,
+                          step_id=step_id).SerializeToString() + ops
+
+
+def flood(kind: str, target: str, stop: Any, counts: Any, max_work: int, sched: str,
+          nice: int) -> None:
+    """One of B's flooders, until ``stop`` is set; outcomes counted in ``counts``."""
+    lower(sched, nice)
     got: Counter[str] = Counter()
     with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 1 << 25)]
                                ) as ch:
         stub = pb_grpc.BlockdServiceStub(ch)
+        raw_step = ch.unary_unary("/blockd.v1.BlockdService/Step",
+                                  response_deserializer=pb.StepResponse.FromString)
+        raw_lookup = ch.unary_unary("/blockd.v1.BlockdService/Lookup",
+                                    response_deserializer=pb.LookupResponse.FromString)
         att = attach(stub, "b")
         step_id = 0
-        lookup = pb.LookupRequest(session_id=att.session_id, epoch=att.epoch, namespace=NS,
-                                  token_ids=range(1 << 18))
-        # Eight admits summing to just under server.max_work_per_call.
-        n = max(1, max_work // 8 - 256 - 8)
-        huge = [pb.Operation(admit=pb.AdmitOp(namespace=NS, token_ids=range(i, i + n)))
-                for i in range(8)]
+        lookup, ops = requests(att.session_id, att.epoch, max_work)
         while not stop.is_set():
             try:
                 if kind == "lookup":
-                    stub.Lookup(lookup, metadata=md("b"))
+                    raw_lookup(lookup, metadata=md("b"))
                 elif kind == "steps":
                     step_id += 1
-                    resp = stub.Step(pb.StepRequest(session_id=att.session_id, epoch=att.epoch,
-                                                    step_id=step_id, operations=huge),
-                                     metadata=md("b"))
+                    resp = raw_step(step_bytes(att.session_id, att.epoch, step_id, ops),
+                                    metadata=md("b"))
                     seqs = [r.admit.sequence_id for r in resp.results if r.status.code == 0]
                     if seqs:
                         step_id += 1
@@ -201,8 +250,10 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=1000)[int(q * 1000) - 1] if len(xs) > 1 else xs[0]
 
 
-def one_run(args: argparse.Namespace) -> tuple[list[float], list[float], dict[str, Any]]:
-    """One daemon: A alone, A beside B's flood, A alone again."""
+def one_run(args: argparse.Namespace
+            ) -> tuple[list[float], list[float], list[float], dict[str, Any]]:
+    """One daemon: A alone, A beside B's client work only (``control``), A beside B's flood,
+    A alone again."""
     ctx = mp.get_context("spawn")
     load_before = os.getloadavg()
     awake = ctx.Event()
@@ -221,20 +272,26 @@ def one_run(args: argparse.Namespace) -> tuple[list[float], list[float], dict[st
                 state = {"step": 0, "fence": 0}
                 a_phase(stub, att, state, 1.0)  # warm-up
                 alone = a_phase(stub, att, state, args.seconds / 2)
-                stop = ctx.Event()
                 manager = ctx.Manager()
-                counts = manager.dict()
-                procs = [ctx.Process(target=flood, args=(k, target, stop, counts,
-                                                         args.max_work, args.flood_nice))
-                         for k in args.kinds.split(",")]
-                for p in procs:
-                    p.start()
-                time.sleep(1.0)  # the flooders connect and spend their bursts
-                flooded = a_phase(stub, att, state, args.seconds)
-                stop.set()
-                for p in procs:
-                    p.join(30)
-                b_counts = dict(counts)
+                kinds = args.kinds.split(",")
+                low = (args.flood_sched, args.flood_nice)
+
+                def beside(target_fn: Any, extra: tuple[Any, ...]) -> tuple[list[float], Any]:
+                    stop, counts = ctx.Event(), manager.dict()
+                    procs = [ctx.Process(target=target_fn,
+                                         args=(k, *extra, stop, counts, args.max_work, *low))
+                             for k in kinds]
+                    for p in procs:
+                        p.start()
+                    time.sleep(1.0)  # the flooders connect and spend their bursts
+                    lat = a_phase(stub, att, state, args.seconds)
+                    stop.set()
+                    for p in procs:
+                        p.join(30)
+                    return lat, dict(counts)
+
+                controlled, c_counts = beside(control, ())
+                flooded, b_counts = beside(flood, (target,))
                 manager.shutdown()
                 alone += a_phase(stub, att, state, args.seconds / 2)
         except grpc.RpcError:
@@ -250,12 +307,16 @@ def one_run(args: argparse.Namespace) -> tuple[list[float], list[float], dict[st
         "a_alone": {"steps": len(alone), "p50_ms": pct(alone, 0.5), "p99_ms": pct(alone, 0.99)},
         "a_flooded": {"steps": len(flooded), "p50_ms": pct(flooded, 0.5),
                       "p99_ms": pct(flooded, 0.99)},
+        "a_control": {"steps": len(controlled), "p50_ms": pct(controlled, 0.5),
+                      "p99_ms": pct(controlled, 0.99)},
         "b_flood": b_counts,
+        "b_control": c_counts,
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
     }
     res["ratio_p50"] = res["a_flooded"]["p50_ms"] / res["a_alone"]["p50_ms"]
     res["ratio_p99"] = res["a_flooded"]["p99_ms"] / res["a_alone"]["p99_ms"]
-    return alone, flooded, res
+    res["control_ratio_p99"] = res["a_control"]["p99_ms"] / res["a_alone"]["p99_ms"]
+    return alone, controlled, flooded, res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,15 +339,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="isolated (default): the daemon on a core of its own, A and B's "
                          "flooders on the others, the flooders at --flood-nice, as clients on "
                          "other machines would be; shared: all of them on every core")
+    ap.add_argument("--flood-sched", choices=("idle", "nice"), default=None,
+                    help="B's flooder processes at SCHED_IDLE (default isolated: they run "
+                         "when A's CPU has nothing else to do, as clients on other machines "
+                         "would never take it from A) or at --flood-nice (default shared)")
     ap.add_argument("--flood-nice", type=int, default=None,
-                    help="niceness of B's flooder processes (default: 19 isolated, 0 shared)")
+                    help="niceness of B's flooder processes with --flood-sched nice "
+                         "(default: 19 isolated, 0 shared)")
     args = ap.parse_args(argv)
     if args.placement == "isolated" and len(CPUS) < 2:
         ap.error("--placement isolated needs 2 CPUs: use --placement shared")
+    if args.flood_sched is None:
+        args.flood_sched = "idle" if args.placement == "isolated" else "nice"
     if args.flood_nice is None:
         args.flood_nice = 19 if args.placement == "isolated" else 0
     runs = [one_run(args) for _ in range(args.runs)]
-    figures = [r for _, _, r in runs]
+    figures = [r for *_, r in runs]
 
     def spread(get: Any) -> dict[str, float]:
         xs = [get(r) for r in figures]
@@ -298,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "gil_switch_interval_ms": args.gil_switch_interval_ms,
         "placement": args.placement,
         "keep_awake": args.keep_awake,
+        "flood_sched": args.flood_sched,
         "flood_nice": args.flood_nice,
         "flood_kinds": args.kinds.split(","),
         "cpus": os.cpu_count(),
@@ -309,26 +378,28 @@ def main(argv: list[str] | None = None) -> int:
             "a_flooded_p99_ms": spread(lambda r: r["a_flooded"]["p99_ms"]),
             "ratio_p50": spread(lambda r: r["ratio_p50"]),
             "ratio_p99": spread(lambda r: r["ratio_p99"]),
+            "a_control_p99_ms": spread(lambda r: r["a_control"]["p99_ms"]),
+            "control_ratio_p99": spread(lambda r: r["control_ratio_p99"]),
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = "fairness" + (f"-{args.tag}" if args.tag else "")
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
-    alone = [x for a, _, _ in runs for x in a]
-    flooded = [x for _, f, _ in runs for x in f]
-    plot(alone, flooded, res, args.out / f"{name}.png")
+    plot({"A alone": [x for r in runs for x in r[0]],
+          "A beside B's client work only": [x for r in runs for x in r[1]],
+          "A beside B's flood": [x for r in runs for x in r[2]]}, res, args.out / f"{name}.png")
     print(json.dumps(res["summary"], indent=1))
     return 0
 
 
-def plot(alone: list[float], flooded: list[float], res: dict[str, Any], path: Path) -> None:
+def plot(phases: dict[str, list[float]], res: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for xs, label in ((alone, "A alone"), (flooded, "A beside B's flood")):
+    for label, xs in phases.items():
         s = sorted(xs)
         ax.plot(s, [i / len(s) for i in range(len(s))], label=label)
     ax.set_xscale("log")

@@ -1,7 +1,8 @@
 """bench/fairness.py runs end to end in a short run (both placements, one flood kind each).
 
 No timings are asserted (the figures are the script's output): this checks that the script
-starts a real daemon, floods it from separate processes, measures A in every phase and
+starts a real daemon, floods it from separate processes (and runs them without it, the
+control), measures A in every phase and
 writes the JSON and plot docs/security.md is built from.
 """
 
@@ -36,6 +37,11 @@ def test_a_short_fairness_run_writes_its_figures(tmp_path: Path, placement: str,
     run = res["runs"][0]
     assert run["a_alone"]["steps"] > 0 and run["a_flooded"]["steps"] > 0
     assert set(run["b_flood"]) == set(kinds.split(","))
+    # The control phase: the same flooder processes, building B's requests, sending none.
+    assert run["a_control"]["steps"] > 0
+    assert {k: set(v) for k, v in run["b_control"].items()} == {
+        k: {"built"} for k in kinds.split(",")}
+    assert res["flood_sched"] == ("idle" if placement == "isolated" else "nice")
     # Every outcome of B's calls is a success or a refusal the daemon documents.
     for outcomes in run["b_flood"].values():
         for what in outcomes:
