@@ -13,12 +13,19 @@ Method: each path is captured in a CUDA graph of ``--iters`` calls and replayed;
 the data to exceed the L2 cache, so every call reads K/V from HBM. Outputs are checked against
 SDPA before timing. Writes ``bench/results/gpu_decode.json``.
 
+Split sweep: for batches up to ``--sweep-max-batch`` (default 4, where ``plan_decode``'s split
+heuristic decides most: batch 1 reached only 39-55% of peak on the H200), the paged kernel is
+also timed at every split count of ``--sweep-splits`` (each checked against SDPA first), and
+each row records the sweep and its fastest split count next to the planner's choice: one GPU
+run gives what tuning the planner needs.
+
     PYTHONPATH=gpu python bench/gpu_decode.py            # exits 0 with a message without a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -107,6 +114,12 @@ class Case:
                                          out=self.out, plan=self.plan, workspace=self.workspace,
                                          backend="triton", validate=False)
 
+    def with_plan(self, plan: bg.DecodePlan) -> Case:
+        """This case's data under another split plan (the split sweep)."""
+        other = copy.copy(self)
+        other.plan, other.workspace = plan, plan.workspace(self.q.device)
+        return other
+
     def sdpa_call(self, i: int):
         k, v = self.contiguous[i]
         # The 4 query heads of each KV head as SDPA's query length: no K/V repeat for GQA.
@@ -120,6 +133,20 @@ class Case:
         # flash-attn wants [batch, seq, heads, dim]; transposed views, not copies.
         return flash_attn_with_kvcache(self.q[:, None], k.transpose(1, 2), v.transpose(1, 2),
                                        cache_seqlens=self.seq_lens)
+
+
+def sweep_plans(batch: int, context: int, splits: list[int], *,
+                num_sms: int | None = None) -> list[bg.DecodePlan]:
+    """The plans of the split sweep: one per distinct partition size among ``splits`` (a split
+    count whose partitions round to another's is the same kernel launch)."""
+    plans: dict[int, bg.DecodePlan] = {}
+    for n in sorted(set(splits)):
+        if n < 1 or n > max(1, context // 16):
+            continue
+        plan = bg.plan_decode(batch, context, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                              dtype=DTYPE, num_sms=num_sms, num_splits=n)
+        plans.setdefault(plan.partition_size, plan)
+    return list(plans.values())
 
 
 def graph_time_us(call, copies: int, iters: int, repeats: int) -> float:
@@ -157,6 +184,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10, help="graph replays per timing")
     parser.add_argument("--peak-tbps", type=float, default=None, help="override the peak")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_decode.json")
+    parser.add_argument("--sweep-splits", type=int, nargs="*",
+                        default=[1, 4, 8, 16, 24, 32, 48, 64, 96, 128],
+                        help="split counts the sweep times (none: no sweep)")
+    parser.add_argument("--sweep-max-batch", type=int, default=4,
+                        help="largest batch the split sweep runs at")
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -206,6 +238,14 @@ def main() -> int:
                 row[f"{name}_frac_peak"] = round(tbps / peak, 3) if peak else None
             if "sdpa_us" in row:
                 row["paged_over_sdpa"] = round(row["paged_us"] / row["sdpa_us"], 3)
+            if args.sweep_splits and batch <= args.sweep_max_batch:
+                row["sweep"] = sweep(case, ref, args, peak, copies)
+                best = min(row["sweep"], key=lambda r: r["us"])
+                row["sweep_best_num_splits"] = best["num_splits"]
+                row["sweep_best_frac_peak"] = best["frac_peak"]
+                print(f"    sweep: best {best['num_splits']} splits ({best['us']}us, "
+                      f"{best['frac_peak']} of peak) against the planner's "
+                      f"{case.plan.num_splits}", flush=True)
             results.append(row)
             print(f"ctx={context:6d} batch={batch:4d} splits={case.plan.num_splits:3d} "
                   f"paged={row['paged_us']}us ({row['paged_tbps']} TB/s, "
@@ -230,6 +270,22 @@ def main() -> int:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def sweep(case: Case, ref: torch.Tensor, args: argparse.Namespace, peak: float | None,
+          copies: int) -> list[dict[str, object]]:
+    """The paged kernel of ``case`` timed under each plan of the split sweep."""
+    out: list[dict[str, object]] = []
+    for plan in sweep_plans(case.batch, case.context, args.sweep_splits):
+        other = case.with_plan(plan)
+        torch.testing.assert_close(other.paged_call(0), ref, atol=1e-2, rtol=1.6e-2)
+        us = graph_time_us(other.paged_call, copies, args.iters, args.repeats)
+        tbps = case.bytes_per_call / us / 1e6
+        out.append({"num_splits": plan.num_splits, "partition_size": plan.partition_size,
+                    "us": round(us, 2), "tbps": round(tbps, 3),
+                    "frac_peak": round(tbps / peak, 3) if peak else None})
+        del other
+    return out
 
 
 def _triton_version() -> str | None:
