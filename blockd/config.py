@@ -100,6 +100,9 @@ class ServerConfig:
     max_tokens_per_operation: int = option(
         1 << 20, "Most token ids in one operation (an admitted prompt or an append).")
     max_sessions: int = option(1024, "Most concurrently attached sessions.")
+    max_queued_calls_per_tenant: int = option(
+        64, "Most calls of one tenant waiting at once, for a turn or as held refusals; beyond, "
+            "RESOURCE_EXHAUSTED (\"queue\") at once: a tenant's concurrency holds no more.")
     max_work_per_call: int = option(
         1 << 17, "Most work units one Step or Lookup may cost (about one per token id, 256 per "
                  "admit, 64 per other operation; a unit is ~0.1 us of the event loop every "
@@ -129,6 +132,7 @@ class ServerConfig:
                                   f"{self.grace_seconds}", field="server.grace_seconds")
         _check_positive(self, "server", "max_message_bytes", "max_operations_per_step",
                         "max_tokens_per_operation", "max_sessions", "max_work_per_call",
+                        "max_queued_calls_per_tenant",
                         "handle_connections", "handle_timeout_s", "gil_switch_interval_ms")
         if not self.invariant_check_interval_ms >= 0:
             raise InvalidArgument("server.invariant_check_interval_ms: must not be negative, "

@@ -59,6 +59,11 @@ class FairGate:
         """Calls waiting for a turn."""
         return sum(len(t.waiting) for t in self._tenants.values())
 
+    def waiting_of(self, key: str) -> int:
+        """Calls of ``key`` waiting for a turn (cancelled ones until a dispatch drops them)."""
+        t = self._tenants.get(key)
+        return 0 if t is None else len(t.waiting)
+
     @asynccontextmanager
     async def turn(self, key: str, cost: int, *, resume: bool = False
                    ) -> AsyncIterator[Callable[[int], None]]:

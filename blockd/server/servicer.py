@@ -39,7 +39,7 @@ from google.protobuf.message import Message
 from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.core.errors import BlockdError, InvalidArgument
+from blockd.core.errors import BlockdError, InvalidArgument, ResourceExhausted
 from blockd.runtime import listing, packed, step
 from blockd.runtime.budgets import OverBudget, parse_units, reading_need, scan_units
 from blockd.runtime.daemon import Daemon
@@ -91,8 +91,21 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     def _turn(self, p: Principal, units: int, *, tenant_id: str = "", session_id: str = ""
               ) -> Any:
-        return self.gate.turn(self.d.gate_key(p, tenant_id=tenant_id, session_id=session_id),
-                              units)
+        key = self.d.gate_key(p, tenant_id=tenant_id, session_id=session_id)
+        self._check_queue(key)
+        return self.gate.turn(key, units)
+
+    def _check_queue(self, key: str) -> None:
+        """Refuse a call of a tenant that already has ``server.max_queued_calls_per_tenant``
+        calls waiting (for a turn, or as held refusals), before it queues: what one tenant's
+        concurrency holds of the daemon (their requests, their places in the gate) is
+        bounded, and the refusal is answered at once, unparsed."""
+        cap = self.d.cfg.server.max_queued_calls_per_tenant
+        n = self.gate.waiting_of(key) + self.holds.waiting[key]
+        if n >= cap:
+            raise ResourceExhausted(
+                f"queue: {key!r} has {n} calls waiting (server.max_queued_calls_per_tenant="
+                f"{cap}): retry once some are answered", reason="queue")
 
     @_rpc
     async def Attach(self, request: pb.AttachRequest, context: Any) -> pb.AttachResponse:
@@ -146,6 +159,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             need = reading_need(units, len(raw), self.d.limits.max_work_per_call)
         sid = step.leading_session_id(raw)
         key = self.d.gate_key(p, session_id=sid)
+        self._check_queue(key)
         async with self.gate.turn(key, units) as spend:
             self.d.charge_bytes(p, key, sid, units, need)
             request = parse(raw)

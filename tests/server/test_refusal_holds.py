@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -135,3 +136,40 @@ def test_at_most_eight_refusals_of_a_tenant_wait_and_others_are_served_meanwhile
     held = [h for h in hints if h <= whole - HOLD_MS // 2]
     assert len(held) == HOLDS_PER_KEY, hints
     assert u.stats().tenants == before  # umbrella's own figures
+
+
+def test_a_tenant_with_its_queue_full_is_refused_at_once_and_others_are_served(
+        tmp_path: Path) -> None:
+    """server.max_queued_calls_per_tenant at 4: of umbrella's twelve concurrent Lookups over
+    its budget, four are refused for rate and held (they count as waiting while held), the
+    other eight are refused at once with RESOURCE_EXHAUSTED "queue", unparsed; acme is served
+    meanwhile, and nothing of umbrella's changed."""
+    tenants = copy.deepcopy(TENANTS)
+    tenants["tenants"][3].update(work_units_per_second=0.01, work_units_burst=TINY_BURST)
+    d = start(tmp_path, num_blocks=64, tenants=tenants,
+              extra={"tenants": {"rate_refusal_hold_ms": HOLD_MS},
+                     "server": {"max_queued_calls_per_tenant": 4}})
+    try:
+        u = Worker(d.stub(), "dave", "umbrella")
+        a = Worker(d.stub(), "alice", "acme")
+        raw = _lookup_bytes(u, 1000)
+        before = u.stats().tenants
+        calls = [_call(d, "Lookup", raw, "dave") for _ in range(12)]
+        a.admit([1, 2, 3, 4, 5])  # served while umbrella's refusals are held
+        outcomes: list[str] = []
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                c.result()
+            assert err.value.code() == S.RESOURCE_EXHAUSTED, err.value.details()
+            outcomes.append(err.value.details().split(":")[0])
+            if outcomes[-1] == "queue":
+                assert "server.max_queued_calls_per_tenant=4" in err.value.details()
+        assert sorted(outcomes) == ["queue"] * 8 + ["rate"] * 4, outcomes
+        assert u.stats().tenants == before
+        # Once the held ones are answered, umbrella's calls queue again (and are refused for
+        # rate: its bucket is still empty).
+        with pytest.raises(grpc.RpcError) as err:
+            _call(d, "Lookup", raw, "dave").result()
+        assert err.value.details().startswith("rate:"), err.value.details()
+    finally:
+        d.stop()
