@@ -315,18 +315,20 @@ class Daemon:
 
     # -- Step ----------------------------------------------------------------------------------
 
-    def step(self, principal: Principal, req: pb.StepRequest) -> pb.StepResponse:
+    def step(self, principal: Principal, req: pb.StepRequest,
+             counts: step.Tally | None = None) -> pb.StepResponse:
         """Check, apply, journal, then zero the scrubbed blocks and answer: nothing is
         acknowledged (and no cached block zeroed) before its record is written, and new work
         is refused before anything is applied when its record may not fit
-        (``Recovery.require_space``)."""
+        (``Recovery.require_space``). ``counts``: the Step's ``step.tally``, when the caller
+        already took it."""
         info = self.sessions.get(principal, req.session_id, req.epoch)
         m = self.manager
         recovery = self.recovery
         if recovery.failed is not None:
             recovery.require_space(0)  # UNAVAILABLE: a retry never gets an unjournalled answer
         checked = step.check(info, req, self.limits, self.spec.block_size,
-                             m.session_view(info.id))
+                             m.session_view(info.id), counts)
         if isinstance(checked, pb.StepResponse):
             return checked  # a retry: its earlier answer
         if recovery.enabled:  # ByteSize walks the whole message (~1 ms per MiB)

@@ -40,9 +40,6 @@ class RefusalHolds:
         self.per_key = per_key
         #: Refusals waiting now, by budget key.
         self.waiting: Counter[str] = Counter()
-        #: Refusals held, and answered at once because the key had ``per_key`` waiting.
-        self.held = 0
-        self.unheld = 0
 
     async def hold(self, refusal: OverBudget) -> OverBudget:
         """Wait out ``refusal``'s hint (at most ``max_ms``) unless ``per_key`` refusals of its
@@ -50,10 +47,8 @@ class RefusalHolds:
         key = refusal.tenant_id
         ms = min(refusal.retry_after_ms, self.max_ms)
         if ms <= 0 or self.waiting[key] >= self.per_key:
-            self.unheld += 1
             return refusal
         self.waiting[key] += 1
-        self.held += 1
         t0 = time.monotonic()
         try:
             await asyncio.sleep(ms / 1000)

@@ -172,9 +172,10 @@ def token_bytes(limits: StepLimits | None, tokens: Any, field: str) -> bytes:
 
 
 def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size: int,
-          view: SessionView) -> pb.StepResponse | Tally:
+          view: SessionView, counts: Tally | None = None) -> pb.StepResponse | Tally:
     """Validate a Step before anything is applied: a retry's earlier answer, else the Step's
-    ``Tally`` (what the caller charges to the tenant's budget)."""
+    ``Tally`` (what the caller charges to the tenant's budget; ``counts``: already taken by
+    the server to price the Step's turn, so it is not counted twice)."""
     if req.step_id == 0:
         raise InvalidArgument("step_id must be >= 1", field="step_id")
     if req.step_id == info.last_step_id and info.last_response is not None:
@@ -186,7 +187,8 @@ def check(info: SessionInfo, req: pb.StepRequest, limits: StepLimits, block_size
     limit = limits.max_operations_per_step
     if len(req.operations) > limit:
         raise InvalidArgument(f"more than {limit} operations", field="operations")
-    counts = tally(req, block_size)
+    if counts is None:
+        counts = tally(req, block_size)
     check_work(limits, counts.units, "Step", "operations")
     bound = answer_bound(counts, len(req.operations), view)
     if bound > limits.max_message_bytes:

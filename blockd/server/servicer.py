@@ -171,23 +171,26 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         async with self.gate.turn(key, work, resume=True):
             yield request
 
-    def _step_price(self, request: pb.StepRequest) -> int:
-        # A Step over the bound is priced at the bound: the daemon refuses it.
-        return min(step.tally(request, self.d.spec.block_size).units,
-                   self.d.limits.max_work_per_call)
-
     @_rpc
     async def Step(self, request: bytes, context: Any) -> pb.StepResponse:
         return await self._step(request, context)
 
     async def _step(self, raw: bytes, context: Any) -> pb.StepResponse:
-        p = self._raw_caller(context, raw, pb.StepRequest, "a StepRequest")
         raw = _raw(raw)
+        p = self._raw_caller(context, raw, pb.StepRequest, "a StepRequest")
+        counts: step.Tally | None = None
+
+        def price(request: pb.StepRequest) -> int:
+            nonlocal counts
+            counts = step.tally(request, self.d.spec.block_size)
+            # A Step over the bound is priced at the bound: the daemon refuses it.
+            return min(counts.units, self.d.limits.max_work_per_call)
+
         async with self._raw_turn(p, raw, "a StepRequest",
                                   functools.partial(_parse, pb.StepRequest, what="a StepRequest"),
-                                  self._step_price) as request:
+                                  price) as request:
             t0 = time.perf_counter()
-            response = self.d.step(p, request)
+            response = self.d.step(p, request, counts)  # counted once, in ``price``
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
         return response
 
@@ -205,8 +208,8 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     @_rpc
     async def Lookup(self, request: bytes, context: Any) -> pb.LookupResponse:
-        p = self._raw_caller(context, request, pb.LookupRequest, "a LookupRequest")
         request = _raw(request)
+        p = self._raw_caller(context, request, pb.LookupRequest, "a LookupRequest")
         # The token ids are cut out of the bytes (O(top-level fields), before the turn); in the
         # turn, once the bytes are paid for, they are counted and checked with numpy, the
         # daemon charges their work and decodes only those its match reaches

@@ -81,7 +81,8 @@ def test_a_refusal_is_answered_once_its_hint_passed_and_the_retry_is_served(
     assert refused.details().startswith("rate: tenant 'globex'"), refused.details()
     assert _hint(refused) <= 5, refused.details()
     assert w.stats() == before  # a Lookup changes nothing, served or refused
-    assert _call(daemon, "Lookup", raw, "bob").result() is not None
+    served = pb.LookupResponse.FromString(_call(daemon, "Lookup", raw, "bob").result())
+    assert (served.num_cached_tokens, served.num_cached_blocks) == (0, 0)  # nothing cached
 
 
 def test_a_bucket_short_of_what_the_bytes_can_carry_refuses_them_unread(
