@@ -20,13 +20,12 @@ Example counts follow the hypothesis profile: ``ci`` (``make test``) runs 60 per
 from __future__ import annotations
 
 import re
-import signal
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
-from daemon_proc import NS, Daemon, start, varint
+from daemon_proc import NS, kill9, restart, start, varint
 from fuzz_support import (
     BAD_CREDENTIALS,
     COUNTS,
@@ -63,7 +62,6 @@ from strategies import (
 )
 
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd_apps.launch import spawn
 
 S = grpc.StatusCode
 SESSION_RPCS = {"Detach", "Heartbeat", "Step", "StepStream", "Lookup", "GetBlockTable",
@@ -485,12 +483,9 @@ def test_zzz_kill9_recovers_exactly_the_fuzzed_state(world: World) -> None:
     before = state()
     assert before[0].num_sequences > 0 and before[0].blocks_committed > 0
     assert any(hits for _, hits in before[2])
-    world.d.proc.send_signal(signal.SIGKILL)
-    world.d.proc.wait()
-    launched = spawn(world.d.workdir / "blockd.yaml", world.d.workdir)
-    world.d = Daemon(launched.proc, launched.endpoints, world.d.workdir, world.d.tenants_path,
-                     launched.lines)
-    assert any("recovered epoch" in line for line in launched.lines), world.d.log_text()
+    kill9(world.d)
+    world.d = restart(world.d)
+    assert any("recovered epoch" in line for line in world.d.lines), world.d.log_text()
     after = state()
     assert after == before
     world.alive()

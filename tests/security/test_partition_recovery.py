@@ -10,15 +10,12 @@ partitions changed while the daemon was down starts a new epoch instead.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from daemon_proc import TOKENS, Daemon, start, token_hash
-
-from blockd_apps.launch import spawn
+from daemon_proc import TOKENS, Daemon, kill9, restart, start, token_hash
 
 KVWORKER = Path(__file__).resolve().parent.parent / "pools" / "kvworker.py"
 LAYOUT = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
@@ -44,10 +41,8 @@ def _worker(d: Daemon, mode: str, who: str, tenant: str) -> dict:
 
 
 def _restart(d: Daemon) -> Daemon:
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
-    launched = spawn(d.workdir / "blockd.yaml", d.workdir)
-    return Daemon(launched.proc, launched.endpoints, d.workdir, d.tenants_path, launched.lines)
+    kill9(d)
+    return restart(d)
 
 
 def test_kill9_keeps_a_dedicated_partitions_cache_and_bytes(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ fails if a daemon outlives the session, see tests/conftest.py).
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import urllib.request
 from dataclasses import dataclass, field
@@ -203,3 +204,17 @@ def release(seq: str) -> pb.Operation:
 
 def fork(seq: str, n: int = 1) -> pb.Operation:
     return pb.Operation(fork=pb.ForkOp(sequence_id=seq, num_children=n))
+
+
+def restart(d: Daemon) -> Daemon:
+    """Start the daemon again on ``d``'s configuration (and state directory)."""
+    launched = spawn(d.workdir / "blockd.yaml", d.workdir)
+    return Daemon(launched.proc, launched.endpoints, d.workdir, d.tenants_path, launched.lines)
+
+
+def kill9(d: Daemon) -> None:
+    """``kill -9`` the daemon (no shutdown path runs) and close the test's channels to it."""
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    for ch in d.channels:
+        ch.close()

@@ -24,14 +24,13 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from daemon_proc import TOKENS, Daemon, md, start
+from daemon_proc import TOKENS, Daemon, kill9, md, restart, start
 
 import blockd_client.requests as rq
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.runtime import journal
 from blockd.runtime.recovery import SNAPSHOT_VERSION
 from blockd.runtime.state_store import MAGIC
-from blockd_apps.launch import spawn
 from blockd_client import Client
 from blockd_client.errors import BlockdError
 from blockd_gpu import KvLayout
@@ -41,19 +40,6 @@ B = LAYOUT.block_size
 NS = rq.namespace("tiny", model_revision="r1")
 SYSTEM = list(range(1, 13))  # three full blocks every prompt starts with
 KILLS = int(os.environ.get("CRASH_KILLS", "5"))
-
-
-def restart(d: Daemon) -> Daemon:
-    """Start the daemon again on the same configuration (and state directory)."""
-    launched = spawn(d.workdir / "blockd.yaml", d.workdir)
-    return Daemon(launched.proc, launched.endpoints, d.workdir, d.tenants_path, launched.lines)
-
-
-def kill9(d: Daemon) -> None:
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait()
-    for ch in d.channels:
-        ch.close()
 
 
 def value(prefix: list[int]) -> float:
