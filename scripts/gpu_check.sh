@@ -1,42 +1,74 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one go, for a machine that has one:
+# Every check that needs a GPU, in one go, within ${GPU_CHECK_BUDGET_S:-540} seconds:
 #
-#   1. the virtualenv (.venv, created with `make install` when missing);
-#   2. an nvidia-smi summary, when nvidia-smi is installed (informational);
-#   3. a preflight that FAILS when neither torch nor cuda-python can use a device: without it
-#      every gpu-marked test would skip and the run would look green;
-#   4. `pytest -m gpu tests`: every gpu-marked test (the CUDA pool in tests/pools, the
-#      stream-ordered fences in tests/pools/test_stream_fence.py, the kernels in tests/gpu), with
-#      a JUnit report, and one summary line for the stream fences;
-#   5. the tenant-isolation suite (tests/security: dedicated partitions, the handle socket);
-#   6. bench/gpu_decode.py, when it exists.
+#   1. the Python to run under (see "Where it runs" below);
+#   2. the environment: an nvidia-smi summary (when installed), the versions, and a preflight
+#      that FAILS when torch or cuda-python cannot use a device (otherwise every gpu-marked test
+#      would skip and the run would look green);
+#   3. every gpu-marked test: the files under tests/ with `pytest.mark.gpu` (the CUDA pool and
+#      its restart, the stream-ordered fences, the vLLM copies, the kernels, the end-to-end worker,
+#      the dedicated partitions), run with `-m gpu`, a JUnit report, and one summary line per file;
+#   4. bench/gpu_decode.py (paged decode against SDPA, and the split sweep at small batch);
+#   5. the tenant-isolation suite (tests/security; mostly CPU-side: it runs in CI too), with the
+#      time that is left.
 #
-# Outputs (logs, junit xml, benchmark json, a summary) go to ${OUT:-bench/results}.
-# Each step runs under `timeout`; override with STEP_TIMEOUT_<NAME> (seconds), e.g.
-# STEP_TIMEOUT_PYTEST=900. Exits non-zero when any step failed (all steps still run).
+# Where it runs:
+#   - with .venv (`make install`): that venv;
+#   - without one, with wheels in .whl (scripts/gpu_wheels.sh makes them where pip can reach an
+#     index): the machine's python3 (an image with torch, triton and cuda-bindings), the wheels
+#     installed with `pip --no-index --target` into ${WHEELS_TARGET:-/tmp/blockd-site};
+#   - otherwise: `make install` first (outside the budget);
+#   - PY=... overrides all of that.
+#   The checkout's packages (blockd, clients, apps, gpu) are put on PYTHONPATH, so nothing needs
+#   installing from the checkout itself.
+#
+# On this workplace's device machine (no index, no .venv: it does not travel): here
+# `scripts/gpu_wheels.sh`, then run `OUT=$OUT bash scripts/gpu_check.sh` there with `.whl`
+# carried and a timeout above the budget.
+#
+# Outputs (at most 7 files: env.log, pytest.log, gpu_tests.xml, gpu_decode.log,
+# gpu_decode.json, isolation.log, gpu_check_summary.txt) go to ${OUT:-bench/results}. Each step
+# runs under `timeout`, at most its own limit and at most what is left of the budget; override a
+# limit with STEP_TIMEOUT_<NAME> (seconds), e.g. STEP_TIMEOUT_PYTEST=400. Exits non-zero when any
+# step failed or did not run for want of time (the others still run).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$(pwd)"
 OUT_DIR="${OUT:-bench/results}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-PY=.venv/bin/python
 SUMMARY="$OUT_DIR/gpu_check_summary.txt"
+for f in env.log pytest.log gpu_tests.xml gpu_decode.log gpu_decode.json isolation.log; do
+    rm -f "${OUT_DIR:?}/$f"
+done
 : >"$SUMMARY"
 failed=()
+deadline=""
 
-# run_step NAME SECONDS CMD...: run CMD under timeout, tee its output to $OUT_DIR/NAME.log,
-# record ok/FAILED with the exit status (124, or 137 after --kill-after, is a timeout).
+# run_step NAME LOG SECONDS CMD...: run CMD under timeout, append its output to $OUT_DIR/LOG,
+# record ok/FAILED with the exit status (124, or 137 after --kill-after, is a timeout). Once the
+# budget has started, SECONDS is cut to what is left of it; with under 15 s left the step is
+# not run and counts as failed.
 run_step() {
-    local name=$1 seconds=$2
-    shift 2
+    local name=$1 log=$2 seconds=$3
+    shift 3
     local var="STEP_TIMEOUT_${name^^}"
     seconds=${!var:-$seconds}
-    echo "=== $name (timeout ${seconds}s): $*"
-    local rc=0
-    timeout --kill-after=30 "$seconds" "$@" 2>&1 | tee "$OUT_DIR/$name.log" || rc=$?
+    if [[ -n $deadline ]]; then
+        local left=$((deadline - SECONDS))
+        if ((left < 15)); then
+            echo "FAILED  $name (not run: the ${BUDGET}s budget is spent)" | tee -a "$SUMMARY"
+            failed+=("$name")
+            return 0
+        fi
+        ((seconds > left)) && seconds=$left
+    fi
+    echo "=== $name (timeout ${seconds}s): $*" | tee -a "$OUT_DIR/$log"
+    local rc=0 t0=$SECONDS
+    timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee -a "$OUT_DIR/$log" || rc=$?
     if [[ $rc -eq 0 ]]; then
-        echo "ok      $name" | tee -a "$SUMMARY"
+        echo "ok      $name ($((SECONDS - t0))s)" | tee -a "$SUMMARY"
     else
         local why="exit $rc"
         if [[ $rc -eq 124 || $rc -eq 137 ]]; then
@@ -47,16 +79,34 @@ run_step() {
     fi
 }
 
-if [[ ! -x $PY ]]; then
-    run_step install 1800 make install
+# -- 1. the Python ---------------------------------------------------------------------------
+if [[ -n ${PY:-} ]]; then
+    :
+elif [[ -x .venv/bin/python ]]; then
+    PY=.venv/bin/python
+elif compgen -G ".whl/*.whl" >/dev/null; then
+    PY=python3
+    SITE="${WHEELS_TARGET:-/tmp/blockd-site}"
+    run_step wheels env.log 120 "$PY" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+    run_step install env.log 1800 make install
+    PY=.venv/bin/python
 fi
-if [[ ! -x $PY ]]; then
-    echo "no usable .venv (make install failed); nothing else can run" | tee -a "$SUMMARY"
+export PYTHONPATH="$ROOT:$ROOT/clients:$ROOT/apps:$ROOT/gpu${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+if ! command -v "$PY" >/dev/null 2>&1; then
+    echo "no usable Python ($PY); nothing else can run" | tee -a "$SUMMARY"
     exit 1
 fi
 
+BUDGET="${GPU_CHECK_BUDGET_S:-540}"
+deadline=$((SECONDS + BUDGET))
+
+# -- 2. the environment ----------------------------------------------------------------------
 if command -v nvidia-smi >/dev/null 2>&1; then
-    run_step nvidia_smi 60 nvidia-smi \
+    run_step nvidia_smi env.log 30 nvidia-smi \
         --query-gpu=index,name,uuid,memory.total,memory.used,driver_version \
         --format=csv
 else
@@ -64,53 +114,72 @@ else
 fi
 
 # shellcheck disable=SC2016  # the Python code is single-quoted on purpose
-run_step preflight 120 "$PY" -c '
+run_step preflight env.log 120 "$PY" -c '
 import sys
+from importlib.metadata import version
 import torch
 from blockd.pools.cuda import cuda_unavailable_reason
+print("python", sys.version.split()[0], sys.executable)
+for dist in ("torch", "triton", "grpcio", "protobuf", "pyzmq", "cuda-bindings", "numpy"):
+    try:
+        print(f"  {dist} {version(dist)}")
+    except Exception as exc:
+        print(f"  {dist}: {exc!r}")
+import blockd, blockd_apps, blockd_client, blockd_gpu, blockd.api.v1.blockd_pb2  # noqa: F401
+print("torch cuda", torch.version.cuda,
+      "devices", torch.cuda.device_count() if torch.cuda.is_available() else 0,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 reason = cuda_unavailable_reason()
-print("torch", torch.__version__, "cuda", torch.version.cuda,
-      "devices", torch.cuda.device_count() if torch.cuda.is_available() else 0)
 print("cuda pool:", reason or "available")
 if reason or not torch.cuda.is_available():
     sys.exit("no usable CUDA device: the gpu tests would all skip")
 '
 
-run_step pytest 900 "$PY" -m pytest -m gpu -q -rs tests \
-    --junitxml="$OUT_DIR/gpu_tests.xml"
+# -- 3. every gpu-marked test ----------------------------------------------------------------
+# Only the files that hold gpu tests are collected: the rest of the suite imports packages
+# (vllm, msgspec, cryptography, ...) a GPU image need not have, and none of it is selected.
+mapfile -t gpu_files < <(grep -rlE 'pytest\.mark\.gpu' tests --include='test_*.py' | sort)
+run_step pytest pytest.log 360 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
+    --junitxml="$OUT_DIR/gpu_tests.xml" "${gpu_files[@]}"
 
-# One summary line for the stream-ordered fences (they ran inside the pytest step above).
+# One summary line per file (they ran inside the pytest step above).
 if [[ -f "$OUT_DIR/gpu_tests.xml" ]]; then
     "$PY" - "$OUT_DIR/gpu_tests.xml" <<'EOF' | tee -a "$SUMMARY" || true
+import collections
 import sys
 import xml.etree.ElementTree as ET
-cases = [c for c in ET.parse(sys.argv[1]).iter("testcase")
-         if c.get("classname", "").endswith("test_stream_fence")]
-bad = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
-skip = sum(1 for c in cases if c.find("skipped") is not None)
-state = "FAILED " if bad or not cases else ("skipped" if skip == len(cases) else "ok     ")
-print(f"{state} stream_fence ({len(cases)} gpu tests: {len(cases) - bad - skip} passed, "
-      f"{bad} failed, {skip} skipped)")
+
+per = collections.defaultdict(lambda: [0, 0, 0])  # passed, failed, skipped
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    module = case.get("classname", "").rsplit(".", 1)[-1]
+    if case.find("failure") is not None or case.find("error") is not None:
+        per[module][1] += 1
+    elif case.find("skipped") is not None:
+        per[module][2] += 1
+    else:
+        per[module][0] += 1
+for module, (ok, bad, skip) in sorted(per.items()):
+    state = "FAILED " if bad else ("skipped" if not ok else "ok     ")
+    print(f"{state} {module} ({ok} passed, {bad} failed, {skip} skipped)")
 EOF
 fi
 
-# -- tenant isolation (issue 14) ---------------------------------------------------------------
-# Dedicated partitions on the cuda pool (tests/security/test_gpu_partitions.py: its own VMM
-# allocation and fd, none of its bytes in the shared region's) ran inside the pytest step
-# above; here the whole isolation suite runs again on this machine (the hostile scan from
-# another uid, the handle socket's peer check and bounds, recovery inside a partition), a
-# CPU-side check that takes about a minute.
-run_step isolation 300 "$PY" -m pytest -q -rs tests/security \
-    --junitxml="$OUT_DIR/isolation_tests.xml"
-
+# -- 4. the decode benchmark -----------------------------------------------------------------
 if [[ -f bench/gpu_decode.py ]]; then
-    run_step gpu_decode 600 env PYTHONPATH=gpu "$PY" bench/gpu_decode.py \
+    run_step gpu_decode gpu_decode.log 300 "$PY" bench/gpu_decode.py \
         --out "$OUT_DIR/gpu_decode.json"
 else
     echo "bench/gpu_decode.py not present; skipping the benchmark" | tee -a "$SUMMARY"
 fi
 
-echo "=== summary ($SUMMARY)"
+# -- 5. tenant isolation (issue 14) ----------------------------------------------------------
+# Dedicated partitions on the cuda pool ran in step 3 (tests/security/test_gpu_partitions.py);
+# here the whole isolation suite runs on this machine (the hostile scan from another uid, the
+# handle socket's peer check and bounds, recovery inside a partition).
+run_step isolation isolation.log 180 "$PY" -m pytest -q -rs -p no:cacheprovider -m "not gpu" \
+    tests/security
+
+echo "=== summary ($SUMMARY, $((SECONDS))s in all)"
 cat "$SUMMARY"
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "gpu_check: FAILED: ${failed[*]}"
