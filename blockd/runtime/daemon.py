@@ -367,7 +367,7 @@ class Daemon:
         info = self.sessions.get(principal, req.session_id, req.epoch)
         tokens: Any = req.token_ids
         count = len(tokens) if packed is None else packed.count
-        step.check_tokens(self.limits, range(count), "token_ids")
+        step.check_token_count(self.limits, count, "token_ids")
         # Priced and charged before the cut: copying out the kept tokens is work too.
         n = min(count, self.lookup_reach)
         step.check_work(self.limits, n, "Lookup", "token_ids")
