@@ -94,6 +94,9 @@ class SchedulerSide:
         self.to_release: list[str] = []
         #: Requests whose plan may be resolvable at the next step.
         self.dirty: set[str] = set()
+        #: ``step -> requests`` with saves handed out in that step and not reported yet, so
+        #: a save report touches only its own plans.
+        self.saving: dict[int, set[str]] = {}
         self.step_no = 0
         #: The last numbered step the workers reported back.
         self.worker_step = 0
@@ -315,6 +318,7 @@ class SchedulerSide:
             self.counters["save_blocks"] += upto - plan.saved
             plan.saved = upto
             plan.pending.add(meta.step)
+            self.saving.setdefault(meta.step, set()).add(rid)
 
     def _resolve(self, plan: Plan, ops: list[pb.Operation]) -> bool:
         """Commit and/or release ``plan`` when it is done; True when it is."""
@@ -347,14 +351,19 @@ class SchedulerSide:
         if report is None:
             return
         self.worker_step = max(self.worker_step, report.done)
-        for rid, plan in self.plans.items():
-            if not plan.pending:
-                continue
-            if plan.pending & report.failed:
-                plan.failed = True
-                self.counters["save_failures"] += 1
-            plan.pending -= report.ok | report.failed
-            self.dirty.add(rid)
+        failed: set[str] = set()
+        for step_no in report.ok | report.failed:
+            for rid in self.saving.pop(step_no, ()):
+                plan = self.plans.get(rid)
+                if plan is None or step_no not in plan.pending:
+                    continue  # dropped, or a later plan of the same request
+                plan.pending.discard(step_no)
+                if step_no in report.failed:
+                    failed.add(rid)
+                self.dirty.add(rid)
+        for rid in failed:
+            self.plans[rid].failed = True
+            self.counters["save_failures"] += 1
 
     def _step(self, ops: list[pb.Operation]) -> Any:
         """A Step; its per-operation refusals are counted (the Step itself applied)."""

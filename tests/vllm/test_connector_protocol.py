@@ -212,6 +212,45 @@ def test_lora_and_salt_decide_sharing(tmp_path: Path, model_dir: Path) -> None:
         d.stop()
 
 
+def test_a_failed_save_is_never_committed_and_the_other_steps_are(tmp_path: Path,
+                                                                  model_dir: Path) -> None:
+    """Two requests saved in two steps; the worker's copy of the second fails for real (a vLLM
+    block id past its cache). The failed step's plan is released uncommitted, the other one's
+    is committed: the report reaches exactly the plans of its own steps."""
+    d = start_daemon(tmp_path / "blockd")
+    extra = connector_config(d, "acme", "alice")["kv_connector_extra_config"]
+    sched = _connector(model_dir, extra, "SCHEDULER")
+    worker = _connector(model_dir, extra, "WORKER")
+    worker.register_kv_caches(Blocks().caches)  # 16 vLLM blocks per layer
+    vblocks = {"good": [0, 1, 2, 3], "bad": [4, 5, 99, 6]}  # 99: past the cache
+    sched.scheduler.block_ids_of = lambda rid: (vblocks[rid],)
+    good, bad = list(range(1, 101)), list(range(201, 301))  # 3 full blocks + 4 tokens each
+    try:
+        outs = {}
+        for rid, prompt in (("good", good), ("bad", bad)):
+            r = request(rid, prompt)
+            assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            sched.update_state_after_alloc(r, _blocks(vblocks[rid]), 0)
+            outs[rid] = run_worker(worker, sched.build_connector_meta(
+                step([(r, vblocks[rid], 0, 100)])))
+            sched.update_connector_output(outs[rid])
+            sched.request_finished(r, vblocks[rid])
+        assert outs["good"].kv_connector_worker_meta.ok
+        assert outs["bad"].kv_connector_worker_meta.failed
+        assert not outs["bad"].kv_connector_worker_meta.ok
+        assert sched.scheduler.counters["save_failures"] == 1
+        assert not sched.scheduler.saving  # every reported step left the index
+        sched.build_connector_meta(step([]))  # commit "good", release both
+        time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
+        assert sched.get_num_new_matched_tokens(request("g2", good), 0) == (96, False)
+        assert sched.get_num_new_matched_tokens(request("b2", bad), 0) == (0, False)
+        assert sched.scheduler.counters["committed_blocks"] == 3
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
 def _blocks(ids: list[int]):  # type: ignore[no-untyped-def]
     """vLLM's KVCacheBlocks of one group, from its own classes."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
