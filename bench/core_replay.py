@@ -27,12 +27,11 @@ import statistics
 import sys
 import time
 from array import array
-from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trace import Request, make_trace, summary  # noqa: E402
+from trace import Arrivals, Request, make_trace, summary  # noqa: E402
 
 from naive_manager import NaiveBlockManager  # noqa: E402
 
@@ -59,9 +58,7 @@ def replay(trace: list[Request], engine: str, block_size: int, num_blocks: int,
     for r in trace:
         out_offsets.append(pos)
         pos += len(r.output)
-    waiting: deque[int] = deque()
-    next_arrival = 0
-    finished = [False] * len(trace)
+    arrivals = Arrivals(trace)
     running: dict[str, list[int]] = {}  # seq id -> [request index, tokens generated]
     steps = 0
     table_entries = 0
@@ -69,34 +66,27 @@ def replay(trace: list[Request], engine: str, block_size: int, num_blocks: int,
     preempt_waits = 0
     free_series: list[int] = []
     hit_series: list[float] = []
+
+    def admit(i: int) -> bool:
+        nonlocal table_entries, preempt_waits
+        res = m.admit(session, SCOPE, prompts[i])
+        if not hasattr(res, "block_table"):
+            preempt_waits += 1
+            return False
+        table_entries += len(res.block_table)
+        # The prompt's K/V is written this step; its full blocks become shareable after it.
+        m.commit(session, res.seq_id, fence)
+        running[res.seq_id] = [i, 0]
+        return True
+
     t0 = time.perf_counter()
-    while next_arrival < len(trace) or waiting or running:
+    while arrivals.pending() or running:
         steps += 1
         fence = steps
         if steps > 1:
             m.complete_fence(session, steps - 1)
-        while next_arrival < len(trace) and trace[next_arrival].arrival_step <= steps:
-            waiting.append(next_arrival)
-            next_arrival += 1
-        # Admit in arrival order while there is room; a follow-up waits for its first turn.
-        blocked = 0
-        while waiting and len(running) < max_running and blocked < len(waiting):
-            i = waiting[0]
-            dep = trace[i].follows
-            if dep >= 0 and not finished[dep]:
-                waiting.rotate(-1)
-                blocked += 1
-                continue
-            res = m.admit(session, SCOPE, prompts[i])
-            if not hasattr(res, "block_table"):
-                preempt_waits += 1
-                break
-            waiting.popleft()
-            blocked = 0
-            table_entries += len(res.block_table)
-            # The prompt's K/V is written this step; its full blocks become shareable after it.
-            m.commit(session, res.seq_id, fence)
-            running[res.seq_id] = [i, 0]
+        arrivals.arrive(steps)
+        arrivals.admit(max_running - len(running), admit)
         # Decode: one token per running sequence.
         done = []
         for seq_id, st in running.items():
@@ -115,7 +105,7 @@ def replay(trace: list[Request], engine: str, block_size: int, num_blocks: int,
         for seq_id in done:
             i = running.pop(seq_id)[0]
             released += m.release(session, seq_id, fence)
-            finished[i] = True
+            arrivals.finished[i] = True
         if steps % 16 == 0:
             free_series.append(m.blocks.num_free if engine == "blockd" else m.num_free)
             c = m.counters

@@ -26,12 +26,11 @@ import platform
 import statistics
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trace import Request, make_trace, summary  # noqa: E402
+from trace import Arrivals, Request, make_trace, summary  # noqa: E402
 
 from peers import sglang_loader  # noqa: E402
 from peers.blockd_driver import BlockdDriver  # noqa: E402
@@ -60,36 +59,27 @@ def make_driver(engine: str, trace: list[Request], block_size: int, num_blocks: 
 
 def replay(trace: list[Request], drv, max_running: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """The one scheduler loop every manager runs; returns its tally and CPU seconds."""
-    waiting: deque[int] = deque()
-    next_arrival = 0
-    finished = [False] * len(trace)
+    arrivals = Arrivals(trace)
     running: list[int] = []
+    admitted: list[int] = []  # this step's
+
+    def admit(i: int) -> bool:
+        if not drv.admit(i):
+            return False
+        admitted.append(i)
+        return True
+
     done_tokens: dict[int, int] = {}
     steps = 0
     gc.collect()
     t0 = time.process_time()
     w0 = time.perf_counter()
-    while next_arrival < len(trace) or waiting or running:
+    while arrivals.pending() or running:
         steps += 1
         drv.begin_step(steps)
-        while next_arrival < len(trace) and trace[next_arrival].arrival_step <= steps:
-            waiting.append(next_arrival)
-            next_arrival += 1
-        # Admit in arrival order while there is room; a follow-up waits for its first turn.
-        admitted: list[int] = []
-        blocked = 0
-        while waiting and len(running) + len(admitted) < max_running and blocked < len(waiting):
-            i = waiting[0]
-            dep = trace[i].follows
-            if dep >= 0 and not finished[dep]:
-                waiting.rotate(-1)
-                blocked += 1
-                continue
-            if not drv.admit(i):
-                break
-            waiting.popleft()
-            blocked = 0
-            admitted.append(i)
+        arrivals.arrive(steps)
+        admitted.clear()
+        arrivals.admit(max_running - len(running), admit)
         drv.prefill(admitted)
         # Decode: the sequences admitted in earlier steps write one output token each.
         ks = [done_tokens[i] for i in running]
@@ -101,7 +91,7 @@ def replay(trace: list[Request], drv, max_running: int) -> dict[str, object]:  #
                 done_tokens[i] = k
             if k == len(trace[i].output):
                 drv.release(i)
-                finished[i] = True
+                arrivals.finished[i] = True
                 del done_tokens[i]
             else:
                 still.append(i)

@@ -41,13 +41,12 @@ import math
 import sys
 import time
 from array import array
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trace import Request, make_trace  # noqa: E402
+from trace import Arrivals, Request, make_trace  # noqa: E402
 
 from blockd.core import BlockManager, PoolSpec, PrefixScope, TenantPolicy  # noqa: E402
 from blockd.core.blocks import COMMITTED, WRITING  # noqa: E402
@@ -105,33 +104,25 @@ def replay(trace: list[Request], block_size: int, *, cache: bool = True, max_run
                      [TenantPolicy("bench", quota_blocks=num_blocks)], seed=7)
     session = m.open_session("bench")
     usage = Usage(block_size, longest=longest)
-    waiting: deque[int] = deque()
+    arrivals = Arrivals(trace)
     # seq id -> [request index, tokens held, admission step]
     running: dict[str, list[int]] = {}
-    finished = [False] * len(trace)
-    next_arrival = step = 0
+    step = 0
     state = m.blocks.state
-    while next_arrival < len(trace) or waiting or running:
+
+    def admit(i: int) -> bool:
+        res = m.admit(session, SCOPE, array("I", trace[i].prompt).tobytes(), cache=cache)
+        assert hasattr(res, "seq_id"), f"the pool was sized never to refuse: {res}"
+        m.commit(session, res.seq_id, step)  # prompt K/V written by this step's kernels
+        running[res.seq_id] = [i, len(trace[i].prompt), step]
+        return True
+
+    while arrivals.pending() or running:
         step += 1
         # Each step announces its fence; the previous step's kernels are done.
         m.begin_step(session, step, step - 1)
-        while next_arrival < len(trace) and trace[next_arrival].arrival_step <= step:
-            waiting.append(next_arrival)
-            next_arrival += 1
-        # Admissions, in arrival order; a follow-up waits for the turn it continues.
-        blocked = 0
-        while waiting and len(running) < max_running and blocked < len(waiting):
-            i = waiting[0]
-            if trace[i].follows >= 0 and not finished[trace[i].follows]:
-                waiting.rotate(-1)
-                blocked += 1
-                continue
-            waiting.popleft()
-            blocked = 0
-            res = m.admit(session, SCOPE, array("I", trace[i].prompt).tobytes(), cache=cache)
-            assert hasattr(res, "seq_id"), f"the pool was sized never to refuse: {res}"
-            m.commit(session, res.seq_id, step)  # prompt K/V written by this step's kernels
-            running[res.seq_id] = [i, len(trace[i].prompt), step]
+        arrivals.arrive(step)
+        arrivals.admit(max_running - len(running), admit)
         # Decode: the token sampled last step gets its slot (output k is sampled from the
         # logits of the step that wrote token k - 1; the last one never needs a slot).
         for seq_id, st in running.items():
@@ -160,7 +151,7 @@ def replay(trace: list[Request], block_size: int, *, cache: bool = True, max_run
                        if n - len(trace[i].prompt) >= len(trace[i].output) - 1]:
             i = running.pop(seq_id)[0]
             m.release(session, seq_id, step)
-            finished[i] = True
+            arrivals.finished[i] = True
     usage.hit_tokens = m.counters.hit_tokens
     usage.queried_tokens = m.counters.queried_tokens
     return usage

@@ -8,6 +8,8 @@ the previous turn's prompt + output + a new user message.
 from __future__ import annotations
 
 import random
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -54,3 +56,44 @@ def summary(trace: list[Request]) -> dict[str, float]:
         "mean_output_tokens": sum(len(r.output) for r in trace) / n,
         "followups": sum(r.follows >= 0 for r in trace),
     }
+
+
+class Arrivals:
+    """The trace as a scheduler sees it: requests arrive at their step and are admitted first
+    come, first served while they fit; a follow-up turn waits, without holding back the others,
+    until the turn it continues has finished. The one admission rule of every replay here."""
+
+    def __init__(self, trace: list[Request]) -> None:
+        self.trace = trace
+        self.next = 0
+        self.waiting: deque[int] = deque()
+        #: ``finished[i]``: request i's output is done (its follow-up may be admitted).
+        self.finished = [False] * len(trace)
+
+    def pending(self) -> bool:
+        """Requests that have not arrived yet, or are waiting."""
+        return self.next < len(self.trace) or bool(self.waiting)
+
+    def arrive(self, step: int) -> None:
+        while self.next < len(self.trace) and self.trace[self.next].arrival_step <= step:
+            self.waiting.append(self.next)
+            self.next += 1
+
+    def admit(self, room: int, admit: Callable[[int], bool]) -> int:
+        """Offer waiting requests in order to ``admit`` (True: it fit) until ``room`` were
+        admitted or one did not fit; returns how many were."""
+        n = blocked = 0
+        waiting = self.waiting
+        while waiting and n < room and blocked < len(waiting):
+            i = waiting[0]
+            dep = self.trace[i].follows
+            if dep >= 0 and not self.finished[dep]:
+                waiting.rotate(-1)
+                blocked += 1
+                continue
+            if not admit(i):
+                break
+            waiting.popleft()
+            blocked = 0
+            n += 1
+        return n
