@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,9 @@ def gpu_test_files() -> list[str]:
 
 
 def test_without_a_gpu_the_preflight_fails_and_every_step_still_reports(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "STEP_TIMEOUT_ISOLATION": "1"}
+    # PY: this interpreter; without it a checkout with no .venv would be installed first.
+    env = {**os.environ, "OUT": str(tmp_path), "STEP_TIMEOUT_ISOLATION": "1",
+           "PY": sys.executable}
     env.pop("PYTHONPATH", None)
     out = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=240, check=False)

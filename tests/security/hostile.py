@@ -2,7 +2,7 @@
 
 ``write``: attach, admit a prompt, fill every byte of its blocks (in its own mapping) with a
 16-byte marker, commit, complete the fence; print a JSON line (session id, table, pool size),
-then hold the session until stdin closes.
+then hold the session (heartbeating) until stdin closes.
 ``scan``: attach, fetch its own handles, map every descriptor it received read-only and look for
 the marker in every byte; then ask the handle socket for each session id in ``steal`` (with no
 tenant, its own tenant and the victim's) and scan whatever it gets; admit the victim's prompt
@@ -17,6 +17,7 @@ uid must be started as root and then become that uid (``os.setuid`` in the child
 import json
 import mmap
 import os
+import select
 import sys
 
 import blockd_client.requests as rq
@@ -86,7 +87,11 @@ def main() -> None:
         print(json.dumps({"session": session.session_id, "table": table,
                           "cached": res.admit.num_cached_tokens,
                           "num_blocks": session.pool.num_blocks}), flush=True)
-        sys.stdin.read()  # hold the session (and its cached prefix) until told to go
+        # Hold the session (and its cached prefix) until stdin closes, heartbeating as a live
+        # worker does: a loaded machine can take longer than a lease over the scans.
+        while not select.select([sys.stdin], [], [], 1.0)[0]:
+            session.heartbeat()
+        sys.stdin.read()
         session.step([rq.release(seq)])
         session.detach()
         return
