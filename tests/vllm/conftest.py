@@ -49,5 +49,5 @@ def alone(model_dir: Path):  # type: ignore[no-untyped-def]
     for the whole session: start-ups are the suite's main cost)."""
     from vllm_support import Engine
 
-    with Engine(model_dir) as e:
+    with Engine(model_dir, wait=False) as e:  # started while the first test starts its own
         yield e

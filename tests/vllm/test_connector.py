@@ -7,11 +7,18 @@ from blockd; outputs are greedy and compared token for token with an engine with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from vllm_support import Engine, connector_config, shared_prefix_workload, start_daemon, stats
+from vllm_support import (
+    Engine,
+    Prestarted,
+    connector_config,
+    shared_prefix_workload,
+    start_daemon,
+    stats,
+)
 
 SYSTEM_BLOCKS_TOKENS = 96  # the 100-token system prompt covers 3 full blocks of 32
 
@@ -32,9 +39,38 @@ def baseline(alone: Engine, workload: list[list[int]]) -> dict:
     return alone.generate(workload)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def later(request: pytest.FixtureRequest, daemon, model_dir: Path, other_weights_dir: Path
+          ) -> Iterator[Prestarted]:
+    """The engines the tests below start one each, in their order, started ahead (while
+    ``alone`` and ``engine_a`` start, then while earlier tests run), for the tests this run
+    selected: each is cold until its test sends it the first request (vLLM's own prefix cache
+    is off, except where a test turns it on)."""
+    def engine(model: Path, tenant: str, who: str, **kw: object) -> Callable[[], Engine]:
+        return lambda: Engine(model, connector_config(daemon, tenant, who), wait=False, **kw)
+
+    specs = {  # (the test that takes it, how it starts)
+        "second": ("test_second_engine_hits_what_the_first_computed",
+                   engine(model_dir, "acme", "alice2")),
+        "globex": ("test_other_tenant_never_hits_private_prefixes",
+                   engine(model_dir, "globex", "bob")),
+        "other_weights": ("test_other_weights_never_hit",
+                          engine(other_weights_dir, "acme", "alice2")),
+        "chunked": ("test_chunked_prefill_preemption_and_vllms_own_cache",
+                    engine(model_dir, "acme", "alice2", prefix_caching=True,
+                           max_num_batched_tokens=64, kv_cache_memory_bytes=16 * 32 * 1024,
+                           max_model_len=256)),
+    }
+    selected = {item.name for item in request.session.items}
+    engines = Prestarted({name: start for name, (test, start) in specs.items()
+                          if test in selected})
+    yield engines
+    engines.close()
+
+
 @pytest.fixture(scope="module")
 def engine_a(daemon, model_dir: Path) -> Iterator[Engine]:
-    with Engine(model_dir, connector_config(daemon, "acme", "alice")) as e:
+    with Engine(model_dir, connector_config(daemon, "acme", "alice"), wait=False) as e:
         yield e
 
 
@@ -57,23 +93,23 @@ def test_second_round_is_served_from_blockd(daemon, engine_a: Engine, baseline: 
     assert out["metrics"]["vllm:external_prefix_cache_hits"] >= sum(expected)
 
 
-def test_second_engine_hits_what_the_first_computed(daemon, engine_a: Engine, model_dir: Path,
-                                                    alone: Engine) -> None:
+def test_second_engine_hits_what_the_first_computed(engine_a: Engine, alone: Engine,
+                                                    later: Prestarted) -> None:
     fresh = shared_prefix_workload(seed=11)
     engine_a.generate(fresh)
-    with Engine(model_dir, connector_config(daemon, "acme", "alice2")) as other:
+    with later.take("second") as other:
         out = other.generate(fresh)
     assert out["tokens"] == alone.generate(fresh)["tokens"]
     assert out["num_cached"] == [(len(p) - 1) // 32 * 32 for p in fresh]
 
 
-def test_other_tenant_never_hits_private_prefixes(daemon, engine_a: Engine, model_dir: Path,
-                                                  baseline: dict,
-                                                  workload: list[list[int]]) -> None:
+def test_other_tenant_never_hits_private_prefixes(daemon, engine_a: Engine, baseline: dict,
+                                                  workload: list[list[int]],
+                                                  later: Prestarted) -> None:
     engine_a.generate(workload)
     acme_cached = stats(daemon, "alice").tenants[0].cached_blocks
     assert acme_cached > 0
-    with Engine(model_dir, connector_config(daemon, "globex", "bob")) as b:
+    with later.take("globex") as b:
         first = b.generate(workload)
         assert first["tokens"] == baseline["tokens"]
         # acme holds every one of these prefixes: a leak would show as a hit here. (Later
@@ -96,26 +132,24 @@ def test_salt_separates_and_matches(engine_a: Engine, baseline: dict,
     assert other["num_cached"][0] == 0
 
 
-def test_other_weights_never_hit(daemon, engine_a: Engine, other_weights_dir: Path,
-                                 workload: list[list[int]]) -> None:
+def test_other_weights_never_hit(engine_a: Engine, workload: list[list[int]],
+                                 later: Prestarted) -> None:
     """Same architecture, same model path layout, no revision given: new weights, new
     namespace (the weights fingerprint), so no hit on K/V the old weights computed."""
     engine_a.generate(workload)
-    with Engine(other_weights_dir, connector_config(daemon, "acme", "alice2")) as e:
+    with later.take("other_weights") as e:
         out = e.generate(workload)
     assert out["num_cached"][0] == 0
 
 
-def test_chunked_prefill_preemption_and_vllms_own_cache(daemon, engine_a: Engine,
-                                                        model_dir: Path, alone: Engine) -> None:
+def test_chunked_prefill_preemption_and_vllms_own_cache(engine_a: Engine, alone: Engine,
+                                                        later: Prestarted) -> None:
     """vLLM's own prefix cache on, prompts prefilled in 64-token chunks, a KV cache of 16 blocks
     (requests are preempted): same tokens; and what it saved over several steps is correct
     bytes, since another engine loading it produces the same tokens again."""
     prompts = shared_prefix_workload(seed=51, n=8, tail=(8, 40))
     want = alone.generate(prompts, max_tokens=24)["tokens"]
-    with Engine(model_dir, connector_config(daemon, "acme", "alice2"), prefix_caching=True,
-                max_num_batched_tokens=64, kv_cache_memory_bytes=16 * 32 * 1024,
-                max_model_len=256) as e:
+    with later.take("chunked") as e:
         out = e.generate(prompts, max_tokens=24)
     assert out["tokens"] == want
     assert out["metrics"].get("vllm:num_preemptions", 0) > 0, "the test needs preemptions"
