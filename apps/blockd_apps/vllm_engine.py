@@ -168,7 +168,9 @@ class Engine:
             return self.results.popleft()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """Ask a started engine to quit, then kill its process group (one still starting, which
+        reads no request yet, is killed at once)."""
+        if self._up and self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
