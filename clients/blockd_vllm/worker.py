@@ -33,6 +33,29 @@ from blockd_vllm.metadata import BlockdMetadata, PoolRef, SaveReport
 log = logging.getLogger("blockd_vllm")
 
 
+def block_ids(ids: list[int], device: Any) -> Any:
+    """``ids`` as an int64 tensor on ``device``, without a host wait: on CUDA through pinned
+    memory, copied on the current stream (a copy from pageable memory may wait for the work
+    already queued on that stream, e.g. this step's forward)."""
+    import torch
+
+    t = torch.tensor(ids, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def out_of_range(vllm_ids: list[int], vllm_blocks: int, blockd_ids: list[int],
+                 blockd_blocks: int) -> str | None:
+    """What is wrong with a copy's block ids, checked on the host before any launch (on CUDA
+    a bad index is a device-side assert that ends the process's CUDA context), or None."""
+    for what, ids, n in (("vLLM", vllm_ids, vllm_blocks), ("blockd", blockd_ids, blockd_blocks)):
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(i for i in ids if not 0 <= i < n)
+            return f"{what} block id {bad} is outside 0..{n - 1}"
+    return None
+
+
 def layer_index(name: str) -> int:
     """The layer number in an attention layer's name (``model.layers.7.self_attn.attn``)."""
     numbers = [int(part) for part in name.split(".") if part.isdigit()]
@@ -143,12 +166,17 @@ class WorkerSide:
         vllm_blocks, blockd_blocks = self._pairs(meta, session)
         if not vllm_blocks or self.pool is None:
             return
-        import torch
-
         kv_pool = self.pool.kv_pool(0)
         first = next(iter(self.views.values()))
-        src = torch.tensor(blockd_blocks, dtype=torch.int64, device=kv_pool.device)
-        dst = torch.tensor(vllm_blocks, dtype=torch.int64, device=first.device)
+        if (bad := out_of_range(vllm_blocks, first.shape[0], blockd_blocks,
+                                pool_view(kv_pool, 0).shape[0])) is not None:
+            log.warning("blockd_vllm: loading %d blocks refused (%s): vLLM recomputes them",
+                        len(vllm_blocks), bad)
+            self.failed_blocks.update(vllm_blocks)
+            self.counters["load_failures"] += len(vllm_blocks)
+            return
+        src = block_ids(blockd_blocks, kv_pool.device)
+        dst = block_ids(vllm_blocks, first.device)
         if first.device.type == "cuda":
             self._load_on_side_stream(kv_pool, src, dst)
         else:
@@ -164,6 +192,11 @@ class WorkerSide:
             self._side_stream = torch.cuda.Stream(device=compute.device)
         side = self._side_stream
         side.wait_stream(compute)  # the blocks were allocated (and maybe zeroed) before
+        for ids in (src, dst):
+            if ids.is_cuda:
+                # Allocated on the compute stream, read on the side one: without this the
+                # caching allocator could hand their memory out again before the copies ran.
+                ids.record_stream(side)
         with torch.cuda.stream(side):
             for name, view in self.views.items():
                 copy_blocks(view, dst, pool_view(kv_pool, self.layers[name]), src)
@@ -196,12 +229,14 @@ class WorkerSide:
             return
         first = next(iter(self.views.values()))
         if meta.save_vllm:
-            import torch
-
             kv_pool = self.pool.kv_pool(0)
-            src = torch.tensor(meta.save_vllm, dtype=torch.int64, device=first.device)
-            dst = torch.tensor(meta.save_blockd, dtype=torch.int64, device=kv_pool.device)
             try:
+                bad = out_of_range(meta.save_vllm, first.shape[0], meta.save_blockd,
+                                   pool_view(kv_pool, 0).shape[0])
+                if bad is not None:
+                    raise IndexError(bad)
+                src = block_ids(meta.save_vllm, first.device)
+                dst = block_ids(meta.save_blockd, kv_pool.device)
                 for name, view in self.views.items():
                     copy_blocks(pool_view(kv_pool, self.layers[name]), dst, view, src)
             except (RuntimeError, IndexError) as err:

@@ -99,6 +99,26 @@ def scenario(d: Any, form: str, device: str, sync: Any = None) -> None:
                                load_session=["someone-else"])
         worker.start_load(stale)
         assert worker.take_failed() == {6}
+        # Block ids out of range are refused on the host before any copy is launched (on CUDA
+        # a bad index would be a device-side assert): such loads are recomputed, a save fails.
+        n_pool = worker.pool.num_blocks
+        vllm_before = {n: t.clone() for n, t in caches.items()}
+        pool_before = worker.pool.kv_pool(0).clone()
+        worker.start_load(BlockdMetadata(pool=ref, step=4, load_vllm=[VLLM_BLOCKS + 5, 0],
+                                         load_blockd=table[:2], load_session=[s.session_id] * 2))
+        worker.start_load(BlockdMetadata(pool=ref, step=5, load_vllm=[8], load_blockd=[n_pool],
+                                         load_session=[s.session_id]))
+        for name in caches:
+            worker.wait_layer(name)
+        assert worker.take_failed() == {VLLM_BLOCKS + 5, 0, 8}
+        worker.save(BlockdMetadata(pool=ref, step=6, save_vllm=[3], save_blockd=[n_pool]))
+        worker.save(BlockdMetadata(pool=ref, step=7, save_vllm=[-1], save_blockd=[table[0]]))
+        if sync:
+            sync()
+        report = worker.take_report()
+        assert report is not None and report.failed == {6, 7} and not report.ok
+        assert all(torch.equal(t, vllm_before[n]) for n, t in caches.items())
+        assert torch.equal(worker.pool.kv_pool(0), pool_before)
         worker.close()
         s.detach()
 

@@ -214,9 +214,10 @@ def test_lora_and_salt_decide_sharing(tmp_path: Path, model_dir: Path) -> None:
 
 def test_a_failed_save_is_never_committed_and_the_other_steps_are(tmp_path: Path,
                                                                   model_dir: Path) -> None:
-    """Two requests saved in two steps; the worker's copy of the second fails for real (a vLLM
-    block id past its cache). The failed step's plan is released uncommitted, the other one's
-    is committed: the report reaches exactly the plans of its own steps."""
+    """Two requests saved in two steps; the worker's save of the second fails for real (a vLLM
+    block id past its cache, refused before any copy). The failed step's plan is released
+    uncommitted, the other one's is committed: the report reaches exactly the plans of its own
+    steps."""
     d = start_daemon(tmp_path / "blockd")
     extra = connector_config(d, "acme", "alice")["kv_connector_extra_config"]
     sched = _connector(model_dir, extra, "SCHEDULER")
