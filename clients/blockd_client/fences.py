@@ -10,8 +10,9 @@ is host memory the daemon polls. ``FencePublisher`` writes it in one of three wa
   once as device-mapped host memory (``cuMemHostRegister(DEVICEMAP | PORTABLE)``,
   ``cuMemHostGetDevicePointer``) and the stream does ``cuStreamWriteValue64`` (with its default
   memory barrier: the step's kernels' writes are visible before the fence is). Where 64-bit
-  stream memory operations are unavailable (the device attribute says so, or the call answers
-  ``CUDA_ERROR_NOT_SUPPORTED``) the stream runs a host function instead (``cuLaunchHostFunc``)
+  stream memory operations are unavailable (the device attribute says so, the call answers
+  ``CUDA_ERROR_NOT_SUPPORTED``, or the page cannot be registered) the stream runs a host
+  function instead (``cuLaunchHostFunc``)
   that stores the fence with ``wire.write_fence``; one ctypes thunk serves every launch (the
   fence travels as its ``userData``) and lives as long as the publisher.
 
@@ -75,21 +76,38 @@ class _Registration:
         self.ctx = cudadrv.check(drv, drv.cuDevicePrimaryCtxRetain(self.dev),
                                  "cuDevicePrimaryCtxRetain" + where)
         self.registered = False
+        #: The page's device address (None: not registered; host functions only).
+        self.dev_ptr: Any = None
         try:
             with self.current():
-                flags = (int(drv.CU_MEMHOSTREGISTER_DEVICEMAP)
-                         | int(drv.CU_MEMHOSTREGISTER_PORTABLE))
-                cudadrv.check(drv, drv.cuMemHostRegister(self.host_ptr, wire.FENCE_PAGE_BYTES,
-                                                         flags), "cuMemHostRegister" + where)
-                self.registered = True
-                self.dev_ptr = cudadrv.check(drv, drv.cuMemHostGetDevicePointer(
-                    self.host_ptr, 0), "cuMemHostGetDevicePointer" + where)
+                self._register_page(where)
         except BaseException:
             self.close(pending=False)
             raise
         ok = cudadrv.device_attribute(drv, self.dev, _MEM_OPS_ATTRS)
         #: Whether cuStreamWriteValue64 may be used (None: unknown, try it).
-        self.stream_writes = ok is None or bool(ok)
+        self.stream_writes = self.dev_ptr is not None and (ok is None or bool(ok))
+
+    def _register_page(self, where: str) -> None:
+        """Register the page as device-mapped host memory. Where that fails (a runtime that
+        cannot pin a shared mapping, say) fences are written by host functions on the stream,
+        which need no registration."""
+        drv = self.drv
+        flags = int(drv.CU_MEMHOSTREGISTER_DEVICEMAP) | int(drv.CU_MEMHOSTREGISTER_PORTABLE)
+        try:
+            cudadrv.check(drv, drv.cuMemHostRegister(self.host_ptr, wire.FENCE_PAGE_BYTES,
+                                                     flags), "cuMemHostRegister" + where)
+            self.registered = True
+            self.dev_ptr = cudadrv.check(drv, drv.cuMemHostGetDevicePointer(
+                self.host_ptr, 0), "cuMemHostGetDevicePointer" + where)
+        except cudadrv.CudaCallError as err:
+            log.warning("the fence page cannot be mapped for the GPU (%s): fences are written "
+                        "by a host function on the stream", err)
+            if self.registered:
+                cudadrv.logged(drv, drv.cuMemHostUnregister(self.host_ptr),
+                               "cuMemHostUnregister" + where, log, "fence page registration")
+                self.registered = False
+            self.dev_ptr = None
 
     def current(self) -> _Pushed:
         return _Pushed(self.drv, self.ctx, f"(device {self.device})")

@@ -181,10 +181,11 @@ class FakeDriver:
     CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS=120)
     CUstreamWriteValue_flags = SimpleNamespace(CU_STREAM_WRITE_VALUE_DEFAULT=0)
 
-    def __init__(self, mem_ops: bool = True, write_result: FakeResult = FakeResult.CUDA_SUCCESS
-                 ) -> None:
+    def __init__(self, mem_ops: bool = True, write_result: FakeResult = FakeResult.CUDA_SUCCESS,
+                 register_result: FakeResult = FakeResult.CUDA_SUCCESS) -> None:
         self.mem_ops = mem_ops
         self.write_result = write_result
+        self.register_result = register_result
         self.calls: list[str] = []
         self.queues: dict[int, list[tuple[Any, ...]]] = {}
         self.registered: set[int] = set()
@@ -232,6 +233,9 @@ class FakeDriver:
 
     def cuMemHostRegister(self, ptr: int, size: int, flags: int) -> tuple[Any, ...]:  # noqa: N802
         assert size == wire.FENCE_PAGE_BYTES and ptr % 4096 == 0 and flags == 3
+        if self.register_result != FakeResult.CUDA_SUCCESS:
+            self.calls.append("cuMemHostRegister")
+            return (self.register_result,)
         self.registered.add(ptr)
         return self._ok("cuMemHostRegister")
 
@@ -293,6 +297,26 @@ def test_fake_driver_the_page_changes_only_when_the_stream_runs(mode: str) -> No
     assert not drv.registered and drv.calls[-1] == "cuDevicePrimaryCtxRelease"
     assert "cuCtxSynchronize" not in drv.calls  # nothing was queued any more
     page.close()  # the page is closable: no buffer export is left
+
+
+def test_fake_driver_a_page_that_cannot_be_registered_is_written_by_host_functions() -> None:
+    """A runtime that cannot pin the shared page (cuMemHostRegister fails): no stream write
+    (it would need the page's device address), the host function instead, still in the
+    stream's order; nothing to unregister at close."""
+    drv = FakeDriver(register_result=FakeResult.CUDA_ERROR_NOT_SUPPORTED)
+    pub, page = fake_publisher(drv)
+    assert pub.publish_on_stream(3, 4) == fences.HOST_FUNCTION
+    assert pub.published == 0 and pub.pending
+    assert pub.publish_on_stream(5, 4) == fences.HOST_FUNCTION
+    drv.run(4)
+    assert pub.published == 5 and not pub.pending
+    assert drv.calls.count("cuMemHostRegister") == 1  # tried once
+    assert "cuStreamWriteValue64" not in drv.calls
+    assert "cuMemHostGetDevicePointer" not in drv.calls
+    pub.close()
+    assert "cuMemHostUnregister" not in drv.calls
+    assert drv.calls[-1] == "cuDevicePrimaryCtxRelease"
+    page.close()
 
 
 def test_fake_driver_close_waits_for_queued_writes_before_unregistering() -> None:
