@@ -105,7 +105,7 @@ class Engine:
         """``options``: more of engine_proc's spec (``max_num_batched_tokens``,
         ``kv_cache_memory_bytes``, ``max_model_len``). ``wait`` False: return once the process
         is started; ``ready()`` (and the first ``generate``) waits for the engine, so several
-        engines can start at once (on 2 cores two start in ~47 s, one after the other in ~67)."""
+        engines can start at once."""
         spec = {"model": str(model), "kv_transfer_config": kv, "prefix_caching": prefix_caching,
                 **options}
         self.lines: deque[str] = deque(maxlen=400)

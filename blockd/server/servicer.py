@@ -219,11 +219,13 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
             split = packed.split_field(request, LOOKUP_TOKEN_IDS)
         except packed.Malformed:
             split = None  # priced as a parse, which then refuses it (after the rate check)
-        units = parse_units(len(request)) if split is None else (
-            parse_units(len(split[0])) + scan_units(len(request) - len(split[0])))
-        need = reading_need(units, len(request) if split is None else len(request)
-                            - len(split[0]), min(self.d.lookup_reach,
-                                                 self.d.limits.max_work_per_call))
+        if split is None:
+            units, id_bytes = parse_units(len(request)), len(request)
+        else:
+            id_bytes = len(request) - len(split[0])
+            units = parse_units(len(split[0])) + scan_units(id_bytes)
+        need = reading_need(units, id_bytes,
+                            min(self.d.lookup_reach, self.d.limits.max_work_per_call))
         tokens: PackedIds | None = None
 
         def parse(raw: bytes) -> pb.LookupRequest:

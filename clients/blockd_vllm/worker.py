@@ -50,8 +50,8 @@ def out_of_range(vllm_ids: list[int], vllm_blocks: int, blockd_ids: list[int],
     """What is wrong with a copy's block ids, checked on the host before any launch (on CUDA
     a bad index is a device-side assert that ends the process's CUDA context), or None."""
     for what, ids, n in (("vLLM", vllm_ids, vllm_blocks), ("blockd", blockd_ids, blockd_blocks)):
-        if ids and (min(ids) < 0 or max(ids) >= n):
-            bad = next(i for i in ids if not 0 <= i < n)
+        bad = next((i for i in ids if not 0 <= i < n), None)
+        if bad is not None:
             return f"{what} block id {bad} is outside 0..{n - 1}"
     return None
 
@@ -172,8 +172,7 @@ class WorkerSide:
                                 pool_view(kv_pool, 0).shape[0])) is not None:
             log.warning("blockd_vllm: loading %d blocks refused (%s): vLLM recomputes them",
                         len(vllm_blocks), bad)
-            self.failed_blocks.update(vllm_blocks)
-            self.counters["load_failures"] += len(vllm_blocks)
+            self._fail_loads(meta, {session})
             return
         src = block_ids(blockd_blocks, kv_pool.device)
         dst = block_ids(vllm_blocks, first.device)
@@ -230,23 +229,24 @@ class WorkerSide:
         first = next(iter(self.views.values()))
         if meta.save_vllm:
             kv_pool = self.pool.kv_pool(0)
-            try:
-                bad = out_of_range(meta.save_vllm, first.shape[0], meta.save_blockd,
-                                   pool_view(kv_pool, 0).shape[0])
-                if bad is not None:
-                    raise IndexError(bad)
-                src = block_ids(meta.save_vllm, first.device)
-                dst = block_ids(meta.save_blockd, kv_pool.device)
-                for name, view in self.views.items():
-                    copy_blocks(pool_view(kv_pool, self.layers[name]), dst, view, src)
-            except (RuntimeError, IndexError) as err:
+            why = out_of_range(meta.save_vllm, first.shape[0], meta.save_blockd,
+                               pool_view(kv_pool, 0).shape[0])
+            if why is None:
+                try:
+                    src = block_ids(meta.save_vllm, first.device)
+                    dst = block_ids(meta.save_blockd, kv_pool.device)
+                    for name, view in self.views.items():
+                        copy_blocks(pool_view(kv_pool, self.layers[name]), dst, view, src)
+                except (RuntimeError, IndexError) as err:
+                    why = str(err)
+            if why is None:
+                self.report.ok.add(meta.step)
+                self.counters["saved_blocks"] += len(meta.save_vllm)
+            else:
                 self.report.failed.add(meta.step)
                 self.counters["save_failures"] += 1
                 log.warning("blockd_vllm: saving %d blocks failed (%s): they are not "
-                            "committed", len(meta.save_vllm), err)
-            else:
-                self.report.ok.add(meta.step)
-                self.counters["saved_blocks"] += len(meta.save_vllm)
+                            "committed", len(meta.save_vllm), why)
         if meta.fence:
             stream = None
             if first.device.type == "cuda":

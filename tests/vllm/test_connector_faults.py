@@ -90,7 +90,7 @@ def test_daemon_killed_mid_run_then_restarted_same_and_new_epoch(tmp_path: Path,
 def test_killed_engine_is_reaped_and_others_carry_on(tmp_path: Path, model_dir: Path,
                                                      alone: Engine) -> None:
     with start_daemon(tmp_path / "blockd", lease_ms=1500) as d:
-        # Started together (two start-ups at once take ~47 s on 2 cores, not ~67).
+        # Started together: their start-ups overlap.
         a = Engine(model_dir, connector_config(d, "acme", "alice"), wait=False)
         b = Engine(model_dir, connector_config(d, "acme", "alice2"), wait=False)
         try:
