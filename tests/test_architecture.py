@@ -6,21 +6,25 @@
 * the libraries never import the applications, and the daemon never imports the client;
 * ``blockd.core`` and ``blockd.runtime`` never import grpc; the core imports nothing of the
   daemon above it, nor protobuf, torch or cuda;
-* the runtime, the server and the apps use the manager's public API only: no attribute of a
-  manager that is not part of ``BlockManager``'s public interface, and no private attribute of
-  anything but ``self``/``cls``;
+* the runtime, the server and the apps use the manager's contract only
+  (``blockd.core.contract.KVManager``, which ``BlockManager`` and the partition coordinator both
+  implement with the same signatures): no attribute of a manager outside it (the coordinator's
+  partition bookkeeping besides), and no private attribute of anything but ``self``/``cls``;
 * no module above ~500 lines outside generated code and tests.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from blockd.core.manager import BlockManager
+from blockd.core import BlockManager, PoolSpec, TenantPolicy
+from blockd.core.contract import KVManager
+from blockd.core.coordinator import PartitionCoordinator
 
 REPO = Path(__file__).resolve().parents[1]
 #: Import root of each top-level package.
@@ -196,12 +200,35 @@ def test_core_imports_nothing_above_it() -> None:
     assert _importers("blockd.core", above) == []
 
 
-#: What a caller above the core may read of a manager: its public methods and properties, and
-#: a few public values (its spec, counters and shape).
-MANAGER_API = {name for name in dir(BlockManager) if not name.startswith("_")} | {
-    "spec", "counters", "block_size", "num_blocks"}
-#: Names the runtime, server and apps give a BlockManager.
+#: What a caller above the core may read of a manager: the members of the one contract.
+MANAGER_API = {name for name in vars(KVManager) if not name.startswith("_")}
+#: What a caller may read of the partition coordinator besides: its layout, its partitions'
+#: shapes, routing by tenant or session, reload checks and snapshots (never a partition's
+#: ``BlockManager``).
+COORDINATOR_API = MANAGER_API | {"spec", "layout", "specs", "partition_of_tenant",
+                                 "partition_of_session", "state_counts_of", "check_tenants", "dump",
+                                 "load"}
+#: Names the runtime, server and apps give a manager, and the coordinator.
 MANAGER_NAMES = {"manager", "m"}
+COORDINATOR_NAMES = {"partitions", "parts"}
+
+
+def test_both_managers_implement_the_contract_with_its_signatures() -> None:
+    """Every member of ``KVManager`` exists on ``BlockManager`` and ``PartitionCoordinator``,
+    methods with exactly the contract's parameters (names, kinds, defaults)."""
+    spec = PoolSpec(num_blocks=8, block_size=4)
+    policies = [TenantPolicy("t", quota_blocks=8)]
+    for impl in (BlockManager(spec, policies), PartitionCoordinator(spec, policies)):
+        for name in sorted(MANAGER_API):
+            declared = vars(KVManager)[name]
+            assert hasattr(impl, name), f"{type(impl).__name__} lacks {name}"
+            if isinstance(declared, property):
+                continue
+            got = inspect.signature(getattr(impl, name))
+            want = inspect.signature(declared.__get__(impl))  # bound, like ``got``
+            assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == [
+                (p.name, p.kind, p.default) for p in want.parameters.values()], (
+                f"{type(impl).__name__}.{name}{got} differs from the contract's {want}")
 
 
 def _name_of(node: ast.expr) -> str | None:
@@ -220,7 +247,9 @@ def _violations(path: Path) -> list[str]:
         owner = _name_of(node.value)
         where = f"{path.relative_to(REPO)}:{node.lineno}"
         if owner in MANAGER_NAMES and node.attr not in MANAGER_API:
-            out.append(f"{where}: {owner}.{node.attr} is not the manager's public API")
+            out.append(f"{where}: {owner}.{node.attr} is not the manager's contract")
+        if owner in COORDINATOR_NAMES and node.attr not in COORDINATOR_API:
+            out.append(f"{where}: {owner}.{node.attr} is not the coordinator's public API")
         if (node.attr.startswith("_") and not node.attr.startswith("__")
                 and owner not in ("self", "cls")):
             out.append(f"{where}: {owner}.{node.attr} is private")
@@ -244,9 +273,13 @@ def test_the_checks_see_a_cycle_and_a_private_read() -> None:
     """The checkers themselves: a two-module cycle is found, and so is a private read."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     probe = REPO / "tests" / "_architecture_probe.py"
-    probe.write_text("def f(manager, other):\n    return manager.alloc, other._x, self._ok\n")
+    probe.write_text("def f(manager, other, partitions):\n"
+                     "    return manager.alloc, other._x, self._ok, partitions.managers, "
+                     "manager.admit, partitions.layout\n")
     try:
         found = _violations(probe)
     finally:
         probe.unlink()
-    assert len(found) == 2 and "manager.alloc" in found[0] and "other._x" in found[1]
+    assert len(found) == 3, found
+    assert "manager.alloc" in found[0] and "other._x" in found[1]
+    assert "partitions.managers" in found[2]

@@ -31,7 +31,7 @@ def run(say: Callable[[str], None] = print) -> BlockManager:
     b = m.admit(s, scope, system + [4, 5])
     say(f"admit B (same system prompt): table {b.block_table}, cached tokens "
         f"{b.num_cached_tokens} (blocks {b.block_table[:2]} now have refcount "
-        f"{m.block_info([b.block_table[0]])[0].ref_count})")
+        f"{m.sequence_blocks(s, b.seq_id)[0].ref_count})")
     (c,) = m.fork(s, b.seq_id)
     out = m.append(s, c, [6], fence=2)
     say(f"fork B -> C, append to C: copy-on-write {out.copy}, C's table "

@@ -150,6 +150,11 @@ class CoreQueries:
         seq = self._sequence(self._session(session_id), seq_id)
         return positions(seq, self.block_size, start, count)
 
+    def sequence_blocks(self, session_id: str, seq_id: str) -> list[BlockInfo]:
+        """State and reference count of each block of a sequence of this session, in table
+        order."""
+        seq = self._sequence(self._session(session_id), seq_id)
+        return block_info(self.blocks, seq.table)
 
     def block_info(self, blocks: Iterable[int]) -> list[BlockInfo]:
         """State and reference count of each block, in order."""

@@ -11,7 +11,7 @@ function here, and ``operation_status`` is the only code that turns a ``DoesNotF
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from blockd import wire
 from blockd.api.v1 import blockd_pb2 as pb
@@ -105,8 +105,8 @@ def spec_from_layout(layout: pb.KvLayout, num_blocks: int) -> PoolSpec:
 def layout_of(spec: PoolSpec) -> pb.KvLayout:
     return pb.KvLayout(block_size=spec.block_size, num_layers=spec.num_layers,
                        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                       dtype=wire.dtype_to_proto(spec.dtype),
-                       kv_order=wire.kv_order_to_proto(spec.kv_order),
+                       dtype=cast(pb.KvDtype, wire.dtype_to_proto(spec.dtype)),
+                       kv_order=cast(pb.KvOrder, wire.kv_order_to_proto(spec.kv_order)),
                        tp_size=spec.tp_size)
 
 
@@ -114,7 +114,7 @@ def pool_info(spec: PoolSpec, medium: str, handle_socket: str) -> pb.PoolInfo:
     """What Attach tells a worker about the pool; ``medium`` is "GPU" or "CPU"."""
     backend = next(enum for enum, m in wire.BACKENDS.values() if m == medium)
     return pb.PoolInfo(layout=layout_of(spec), num_blocks=spec.num_blocks,
-                       block_bytes=spec.block_bytes, backend=backend,
+                       block_bytes=spec.block_bytes, backend=cast(pb.PoolBackend, backend),
                        handle_socket_path=handle_socket)
 
 

@@ -24,6 +24,8 @@ from typing import Any
 from blockd import logs, wire
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config
+from blockd.core.contract import KVManager
+from blockd.core.coordinator import PartitionCoordinator
 from blockd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from blockd.core.events import AllBlocksCleared
 from blockd.core.ids import SequenceIds
@@ -34,7 +36,7 @@ from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key
 from blockd.runtime.events import EventLog
 from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.packed import PackedIds
-from blockd.runtime.partitions import Partitions, build_pools, close_pools
+from blockd.runtime.pool_set import build_pools, close_pools
 from blockd.runtime.recovery import JournalCorrupt, Recovery
 from blockd.runtime.sessions import Sessions
 from blockd.runtime.state_store import StateStore
@@ -117,20 +119,21 @@ class Daemon:
         store = self.recovery.store
         layout = partition_layout(self.tenants.tenants, self.spec.num_blocks)
         saved = self.recovery.load(self.spec, layout, ids=self.ids)
-        #: One block manager per pool partition behind the manager's API
-        #: (``blockd.runtime.partitions``); ``manager`` is the same object.
-        self.partitions: Partitions
+        #: One block manager per pool partition behind the manager's contract
+        #: (``blockd.core.coordinator``).
+        self.partitions: PartitionCoordinator
         if saved is not None and store is not None:
             self.partitions = saved.manager
             #: This incarnation of the pool (>= 1): block ids of another epoch mean nothing.
             self.epoch: int = saved.epoch
         else:
-            self.partitions = Partitions(self.spec, self.tenants.tenants,
+            self.partitions = PartitionCoordinator(self.spec, self.tenants.tenants,
                                          enable_prefix_cache=cfg.cache.enable_prefix_cache,
                                          scrub_always=cfg.cache.scrub_always,
                                          ids=self.ids, preemption=cfg.cache.preemption)
             self.epoch = int.from_bytes(os.urandom(6), "little") | 1
-        self.manager = self.partitions
+        #: The same object, as the contract every call outside partition bookkeeping uses.
+        self.manager: KVManager = self.partitions
         #: Each partition's own pool (memfd or VMM allocation): a session's worker receives
         #: only its partition's (``handle_for``).
         self.pools: dict[str, Pool] = build_pools(
@@ -404,7 +407,7 @@ class Daemon:
         resp = pb.InspectResponse(sequence_id=req.sequence_id, epoch=self.epoch,
                                   block_size=self.spec.block_size, num_tokens=n)
         return convert.inspect_response(
-            resp, positions, self.partitions.of_session(info.id).block_info(table))
+            resp, positions, m.sequence_blocks(info.id, req.sequence_id))
 
     def list_sequences(self, principal: Principal, req: pb.ListSequencesRequest
                        ) -> pb.ListSequencesResponse:

@@ -120,7 +120,7 @@ class SequenceIndex:
 
     def __init__(self, manager: Any, sessions: Any, budgets: WorkBudgets, limits: StepLimits,
                  block_size: int) -> None:
-        #: The daemon's ``Partitions`` (its public query API only) and ``Sessions``.
+        #: The daemon's ``PartitionCoordinator`` (its public query API only) and ``Sessions``.
         self.m = manager
         self.sessions = sessions
         self.budgets = budgets

@@ -52,12 +52,14 @@ from typing import Any
 from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.core import snapshot
+from blockd.core.contract import KVManager
+from blockd.core.coordinator import PartitionCoordinator
 from blockd.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from blockd.core.ids import SequenceIds
 from blockd.core.spec import PoolSpec
 from blockd.runtime import step
 from blockd.runtime.journal import OVERHEAD, Journal, scan
-from blockd.runtime.partitions import Partitions, partition_path
+from blockd.runtime.pool_set import partition_path
 from blockd.runtime.sessions import SavedSession, Sessions
 from blockd.runtime.state_store import StateStore
 
@@ -83,7 +85,7 @@ class JournalCorrupt(FailedPrecondition):
 class Saved:
     """What a readable snapshot restores."""
 
-    manager: Partitions
+    manager: PartitionCoordinator
     epoch: int
     sessions: list[SavedSession]
     #: Closed revoked sessions -> why (``Sessions.saved_revoked``): their next call, after
@@ -144,7 +146,7 @@ class Recovery:
             self._new_epoch(problem)
             return None
         try:
-            manager = Partitions.load(state["partitions"], spec, ids=ids)
+            manager = PartitionCoordinator.load(state["partitions"], spec, ids=ids)
         except Exception as exc:
             self._new_epoch(f"its block manager cannot be restored ({type(exc).__name__}: "
                             f"{exc})")
@@ -160,7 +162,7 @@ class Recovery:
 
     # -- replay --------------------------------------------------------------------------------
 
-    def replay(self, m: Partitions, sessions: Sessions, ids: SequenceIds, *, epoch: int,
+    def replay(self, m: KVManager, sessions: Sessions, ids: SequenceIds, *, epoch: int,
                errors: Counter[str]) -> int:
         """Apply the journal written after the snapshot; returns the number of records."""
         if self.store is None:
@@ -253,7 +255,7 @@ class Recovery:
         return journal is not None and journal.size >= max(self.snapshot_min_bytes,
                                                            2 * self._snapshot_bytes)
 
-    def snapshot(self, parts: Partitions, sessions: Sessions, spec: PoolSpec, epoch: int
+    def snapshot(self, parts: PartitionCoordinator, sessions: Sessions, spec: PoolSpec, epoch: int
                  ) -> None:
         """Write a snapshot of everything, then start the next journal generation.
 
@@ -316,7 +318,7 @@ def _problem(state: object, spec: PoolSpec, layout: dict[str, int], store: State
     return None
 
 
-def _apply(record: list[Any], m: Partitions, sessions: Sessions, ids: SequenceIds,
+def _apply(record: list[Any], m: KVManager, sessions: Sessions, ids: SequenceIds,
            epoch: int, errors: Counter[str]) -> None:
     kind = record[0]
     if kind == "step":

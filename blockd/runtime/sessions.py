@@ -19,17 +19,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import LeaseConfig
+from blockd.core.contract import KVManager
 from blockd.core.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 from blockd.pools.fences import FencePage
 from blockd.runtime.state_store import StateStore
-
-if TYPE_CHECKING:
-    from blockd.runtime.partitions import Partitions
 from blockd.runtime.tenants_file import Principal, TenantsFile
 
 log = logging.getLogger("blockd.sessions")
@@ -65,7 +63,7 @@ class SessionInfo:
 class Sessions:
     """The attached sessions of one epoch. Runs on the daemon's event loop."""
 
-    def __init__(self, manager: Partitions, *, epoch: int, tenants: TenantsFile,
+    def __init__(self, manager: KVManager, *, epoch: int, tenants: TenantsFile,
                  lease: LeaseConfig, max_sessions: int, store: StateStore | None,
                  record: Callable[[list[Any]], None]) -> None:
         self.m = manager

@@ -10,13 +10,13 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.runtime import convert
 
 if TYPE_CHECKING:
-    from blockd.runtime.partitions import Partitions
+    from blockd.core.coordinator import PartitionCoordinator
     from blockd.runtime.sessions import Sessions
     from blockd.runtime.tenants_file import Principal
 
 
-def answer(principal: Principal, partitions: Partitions, sessions: Sessions, *, epoch: int,
-           block_size: int) -> pb.StatsResponse:
+def answer(principal: Principal, partitions: PartitionCoordinator, sessions: Sessions, *,
+           epoch: int, block_size: int) -> pb.StatsResponse:
     """The pool's shape and block states (the capacity a worker schedules against), and
     the caller's own figures: its tenants' usage, sessions and sequences. The pool-wide
     counters (prefix-cache hits, evictions, copies) and every tenant's sessions and
@@ -28,7 +28,7 @@ def answer(principal: Principal, partitions: Partitions, sessions: Sessions, *, 
     # A caller's capacity is that of its tenants' partitions (all of them for an admin).
     scope = None if everything else {partitions.partition_of_tenant(t)
                                      for t in principal.tenants}
-    counts = m.state_counts(scope)
+    counts = partitions.state_counts_of(scope)
     layout = partitions.layout
     resp = pb.StatsResponse(
         epoch=epoch, num_blocks=sum(n for p, n in layout.items()

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from blockd.api.v1 import blockd_pb2 as pb
+from blockd.core.contract import KVManager
 from blockd.core.errors import BlockdError, FailedPrecondition, InvalidArgument, ResourceExhausted
-from blockd.core.manager import BlockManager
 from blockd.core.preemption import REASON as PREEMPT_REASON
 from blockd.core.results import DoesNotFit, SessionView
 from blockd.runtime import convert
@@ -212,7 +212,7 @@ def answer_bound(counts: Tally, num_operations: int, view: SessionView) -> int:
             + notices)
 
 
-def apply_step(m: BlockManager, sessions: Sessions, info: SessionInfo, req: pb.StepRequest, *,
+def apply_step(m: KVManager, sessions: Sessions, info: SessionInfo, req: pb.StepRequest, *,
                epoch: int, limits: StepLimits | None, errors: Counter[str],
                failed: dict[int, bytes] | None = None) -> pb.StepResponse:
     """Apply a checked Step; the answer lists the blocks to zero (``scrubbed_blocks``), which
@@ -308,7 +308,7 @@ def _failed(result: pb.OperationResult, err: BlockdError | DoesNotFit, index: in
     errors[convert.status_name(result.status.code)] += 1
 
 
-def _append_batch(m: BlockManager, sid: str, index: int, op: pb.AppendBatchOp, fence: int,
+def _append_batch(m: KVManager, sid: str, index: int, op: pb.AppendBatchOp, fence: int,
                   result: pb.OperationResult, copies: Any, limits: StepLimits | None
                   ) -> list[int]:
     ids = list(op.sequence_ids)

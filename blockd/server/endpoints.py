@@ -47,7 +47,7 @@ from pathlib import Path
 
 import grpc
 
-from blockd import config, logs
+from blockd import config, logs, paths
 from blockd.core.errors import FailedPrecondition
 
 log = logging.getLogger("blockd.server")
@@ -150,7 +150,7 @@ def prepare_dir(path: str, field: str) -> None:
     """The directory of a socket path: created if missing; the per-user runtime directory of
     the defaults is created 0700 and must be this user's and closed to others."""
     parent = Path(path).parent
-    private = parent == config.runtime_dir()
+    private = parent == paths.runtime_dir()
     try:
         if private:
             with contextlib.suppress(FileExistsError):

@@ -59,7 +59,8 @@ def _rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Map BlockdError to its status; anything else is INTERNAL and never kills the server."""
 
     @functools.wraps(fn)
-    async def wrapper(self: BlockdServicer, request: Any, context: grpc.aio.ServicerContext
+    async def wrapper(self: BlockdServicer, request: Any,
+                      context: grpc.aio.ServicerContext[Any, Any]
                       ) -> T:
         try:
             try:

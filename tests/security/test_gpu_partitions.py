@@ -14,7 +14,7 @@ import pytest
 
 from blockd.core.spec import PoolSpec
 from blockd.pools.fences import FencePage
-from blockd.runtime.partitions import build_pools, close_pools
+from blockd.runtime.pool_set import build_pools, close_pools
 
 SPEC = PoolSpec(block_size=16, num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=64)
 

@@ -1,6 +1,6 @@
-"""Partitions in process: every core behaviour inside a dedicated partition, ids local to it.
+"""PartitionCoordinator in process: every core behaviour inside a dedicated partition, ids local to it.
 
-The daemon's ``Partitions`` routes each session to its partition's own ``BlockManager``; these
+The daemon's ``PartitionCoordinator`` routes each session to its partition's own ``BlockManager``; these
 tests drive it as the runtime does (session ids first) and check exact block ids, that nothing
 crosses a partition (allocation, hits, eviction, scrub, preemption), that a reload changing the
 partitions is refused with nothing changed, and that a snapshot restores every partition.
@@ -15,7 +15,7 @@ from blockd.core.namespace import PrefixScope
 from blockd.core.results import DoesNotFit
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import Isolation, Sharing, TenantPolicy
-from blockd.runtime.partitions import Partitions
+from blockd.core.coordinator import PartitionCoordinator
 
 B = 4
 SPEC = PoolSpec(block_size=B, num_blocks=8)
@@ -33,7 +33,7 @@ def _policies() -> list[TenantPolicy]:
                          group="lab")]
 
 
-def _commit(p: Partitions, sid: str, tokens: list[int], fence: int) -> str:
+def _commit(p: PartitionCoordinator, sid: str, tokens: list[int], fence: int) -> str:
     p.begin_step(sid, fence)
     res = p.admit(sid, NS, tokens)
     assert not isinstance(res, DoesNotFit)
@@ -43,7 +43,7 @@ def _commit(p: Partitions, sid: str, tokens: list[int], fence: int) -> str:
 
 
 def test_layout_sizes_and_local_block_ids() -> None:
-    p = Partitions(SPEC, _policies())
+    p = PartitionCoordinator(SPEC, _policies())
     assert p.layout == {"shared": 8, "tenant-ded": 6, "group-lab": 5}
     assert p.num_blocks == 19
     a, d, g = (p.open_session(t) for t in ("shared-a", "ded", "g1"))
@@ -51,13 +51,13 @@ def test_layout_sizes_and_local_block_ids() -> None:
         p.begin_step(sid, 1)
         res = p.admit(sid, NS, list(range(8)))
         assert res.block_table == [0, 1]  # each partition's ids start at 0
-    assert p.state_counts(["tenant-ded"])["free"] == 4
+    assert p.state_counts_of(["tenant-ded"])["free"] == 4
     assert p.state_counts()["free"] == 8 - 2 + 6 - 2 + 5 - 2
     p.check_invariants()
 
 
 def test_prefixes_never_cross_a_partition_but_a_group_shares_one() -> None:
-    p = Partitions(SPEC, _policies())
+    p = PartitionCoordinator(SPEC, _policies())
     tokens = list(range(100, 109))
     ded, a = p.open_session("ded"), p.open_session("shared-a")
     seq = _commit(p, ded, tokens, 1)
@@ -72,7 +72,7 @@ def test_prefixes_never_cross_a_partition_but_a_group_shares_one() -> None:
 
 
 def test_a_dedicated_partition_evicts_and_refuses_only_within_itself() -> None:
-    p = Partitions(SPEC, _policies())
+    p = PartitionCoordinator(SPEC, _policies())
     ded, b = p.open_session("ded"), p.open_session("shared-b")
     p.begin_step(b, 1)
     assert not isinstance(p.admit(b, NS, list(range(32))), DoesNotFit)  # the shared region full
@@ -90,7 +90,7 @@ def test_a_dedicated_partition_evicts_and_refuses_only_within_itself() -> None:
 def test_fork_cow_and_scrub_inside_a_dedicated_partition() -> None:
     pol = [TenantPolicy("d1", quota_blocks=4, isolation=DED),
            TenantPolicy("s", quota_blocks=8, scrub_on_reuse=True)]
-    p = Partitions(SPEC, pol, scrub_always=True)
+    p = PartitionCoordinator(SPEC, pol, scrub_always=True)
     d = p.open_session("d1")
     p.begin_step(d, 1)
     seq = p.admit(d, NS, [1, 2, 3, 4, 5, 6]).seq_id
@@ -109,7 +109,7 @@ def test_fork_cow_and_scrub_inside_a_dedicated_partition() -> None:
 
 def test_a_reload_that_changes_the_partitions_is_refused_and_changes_nothing() -> None:
     pol = _policies()
-    p = Partitions(SPEC, pol)
+    p = PartitionCoordinator(SPEC, pol)
     before = p.tenant_policies()
     grown = [*pol[:2], TenantPolicy("ded", quota_blocks=7, isolation=DED), *pol[3:]]
     with pytest.raises(InvalidArgument) as e:
@@ -130,11 +130,11 @@ def test_a_snapshot_restores_every_partition() -> None:
     from blockd.core.snapshot import canonical
 
     ids = SequenceIds()
-    p = Partitions(SPEC, _policies(), ids=ids)
+    p = PartitionCoordinator(SPEC, _policies(), ids=ids)
     d, a = p.open_session("ded"), p.open_session("shared-a")
     _commit(p, d, list(range(9)), 1)
     _commit(p, a, list(range(20, 29)), 1)
-    q = Partitions.load(p.dump(), SPEC, ids=SequenceIds())
+    q = PartitionCoordinator.load(p.dump(), SPEC, ids=SequenceIds())
     assert q.layout == p.layout
     assert canonical(q.managers) == canonical(p.managers)
     assert q.partition_of_session(d) == "tenant-ded" and q.partition_of_tenant("g2") == \

@@ -1,18 +1,19 @@
-"""Pool partitions: one block manager and one pool per partition, behind the manager's API.
+"""The partition coordinator: one ``BlockManager`` per pool partition, behind the one contract.
 
 A tenant with ``isolation: dedicated`` has its blocks in a partition of its own (``tenant-<id>``)
 or of its group (``group-<name>``); every ``shared`` tenant is in ``shared``
 (``blockd.core.tenants.partition_layout``). Each partition is a whole ``BlockManager`` over its
-own block-id space ``0..num_blocks-1`` and its own pool (its own memfd, or its own VMM
-allocation), so by construction a block of one partition is never allocated, evicted, hit,
-preempted or scrubbed for a tenant of another: the free stack, the LRUs, the prefix index and
-the victims are per partition. Block ids on the wire are partition-local and index the one
-pool tensor the session's worker maps (``blockd.wire``, "Block ids").
+own block-id space ``0..num_blocks-1`` (and the runtime gives each its own pool), so by
+construction a block of one partition is never allocated, evicted, hit, preempted or scrubbed
+for a tenant of another: the free stack, the LRUs, the prefix index and the victims are per
+partition. Block ids on the wire are partition-local and index the one pool tensor the
+session's worker maps (``blockd.wire``, "Block ids").
 
-``Partitions`` presents ``BlockManager``'s API to the runtime: a call naming a session goes to
-the session's partition; the read API aggregates (sums, concatenations, merged pages). The
-partition layout is fixed for the daemon's life: a tenants reload that would add, remove or
-resize a dedicated partition, or move a tenant between partitions, is refused naming
+``PartitionCoordinator`` implements ``blockd.core.contract.KVManager`` as a typed composite
+(vLLM's ``KVCacheCoordinator`` over its single-type managers is the model): a call naming a
+session goes to the session's partition; the read API aggregates (sums, concatenations, merged
+pages). The partition layout is fixed for the daemon's life: a tenants reload that would add,
+remove or resize a dedicated partition, or move a tenant between partitions, is refused naming
 ``isolation`` (a restart with the new layout is a new epoch).
 """
 
@@ -21,62 +22,33 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Collection, Iterable
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence as Seq
 
 from blockd.core import snapshot
 from blockd.core.errors import Internal, InvalidArgument
-from blockd.core.events import AllBlocksCleared, BlockStored, EventSink
+from blockd.core.events import AllBlocksCleared, BlockStored, CoreEvent, EventSink
 from blockd.core.ids import SequenceIds
 from blockd.core.manager import BlockManager
-from blockd.core.results import Counters
+from blockd.core.namespace import PrefixScope
+from blockd.core.results import (
+    AdmitResult,
+    AppendResult,
+    BatchAppend,
+    BlockInfo,
+    Counters,
+    DoesNotFit,
+    PositionInfo,
+    SequenceSummary,
+    SessionView,
+    TenantUsage,
+)
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import SHARED_PARTITION, TenantPolicy, partition_layout
-from blockd.pools.base import Pool
 
-__all__ = ["Partitions", "build_pools", "close_pools", "partition_path"]
-
-
-def partition_path(state_dir: Path, name: str, shared_path: str) -> str:
-    """Where a partition's pool file lives in ``state.dir`` (the shared one: ``pool``)."""
-    return shared_path if name == SHARED_PARTITION else str(state_dir / f"pool.{name}")
+__all__ = ["PartitionCoordinator"]
 
 
-def build_pools(specs: dict[str, PoolSpec], backend: str, *, prefault: bool = False,
-                state_dir: Path | None = None, shared_path: str = "", reuse: bool = False
-                ) -> dict[str, Pool]:
-    """One pool per partition (the host pool's files in ``state_dir``, reused after a crash).
-    A partial failure closes what was made before it."""
-    from blockd.pools.host import HostPool
-
-    pools: dict[str, Pool] = {}
-    try:
-        if state_dir is not None and not reuse:
-            for stale in state_dir.glob("pool.*"):  # partitions of an earlier layout
-                stale.unlink(missing_ok=True)
-        for name, spec in specs.items():
-            if backend == "cuda":
-                # Imported here: CPU installs never load cuda-python. CudaPool refuses with
-                # the reason (no driver, no device, no VMM) as FAILED_PRECONDITION.
-                from blockd.pools.cuda import CudaPool
-
-                pools[name] = CudaPool(spec, prefault=prefault)
-            else:
-                path = (partition_path(state_dir, name, shared_path)
-                        if state_dir is not None else None)
-                pools[name] = HostPool(spec, prefault=prefault, path=path, reuse=reuse)
-    except BaseException:
-        close_pools(pools)
-        raise
-    return pools
-
-
-def close_pools(pools: dict[str, Pool]) -> None:
-    for pool in pools.values():
-        pool.close()
-
-
-class Partitions:
+class PartitionCoordinator:
     """The block managers of every partition, routed by session and tenant (module docstring).
 
     Not thread-safe, like the manager: the daemon calls it from its event loop.
@@ -146,7 +118,7 @@ class Partitions:
         for m in self.managers.values():
             m.set_event_sink(None if events is None else self._forward)
 
-    def _forward(self, event: Any) -> None:
+    def _forward(self, event: CoreEvent) -> None:
         if self._sink is None:
             return
         if isinstance(event, AllBlocksCleared) and self.num_indexed:
@@ -211,14 +183,19 @@ class Partitions:
     def begin_step(self, session_id: str, fence: int, completed_fence: int = 0) -> None:
         self.of_session(session_id).begin_step(session_id, fence, completed_fence)
 
-    def admit(self, session_id: str, *args: Any, **kw: Any) -> Any:
-        return self.of_session(session_id).admit(session_id, *args, **kw)
+    def admit(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int], *,
+              cache: bool = True, priority: int = 0) -> AdmitResult | DoesNotFit:
+        return self.of_session(session_id).admit(session_id, scope, tokens, cache=cache,
+                                                 priority=priority)
 
-    def append(self, session_id: str, *args: Any, **kw: Any) -> Any:
-        return self.of_session(session_id).append(session_id, *args, **kw)
+    def append(self, session_id: str, seq_id: str, tokens: bytes | Seq[int],
+               fence: int = 0) -> AppendResult | DoesNotFit:
+        return self.of_session(session_id).append(session_id, seq_id, tokens, fence)
 
-    def append_batch(self, session_id: str, *args: Any, **kw: Any) -> Any:
-        return self.of_session(session_id).append_batch(session_id, *args, **kw)
+    def append_batch(self, session_id: str, seq_ids: Seq[str], token_bytes: bytes,
+                     counts: Seq[int] | None = None, fence: int = 0) -> BatchAppend:
+        return self.of_session(session_id).append_batch(session_id, seq_ids, token_bytes,
+                                                        counts, fence)
 
     def fork(self, session_id: str, seq_id: str, num_children: int = 1) -> list[str]:
         return self.of_session(session_id).fork(session_id, seq_id, num_children)
@@ -240,29 +217,37 @@ class Partitions:
             raise Internal(f"scrubbed blocks in several partitions: {[n for n, _ in found]}")
         return found[0][1] if found else []
 
-    def flush(self, *, tenant_id: str | None = None, **filters: str | None) -> int:
+    def flush(self, *, model_id: str | None = None, model_revision: str | None = None,
+              lora_id: str | None = None, tenant_id: str | None = None) -> int:
         """A flush of one tenant's blocks goes to its partition; any other to every one."""
         if tenant_id is not None:
-            return self.of_tenant(tenant_id).flush(tenant_id=tenant_id, **filters)
-        if all(v is None for v in filters.values()):
-            return self.managers[SHARED_PARTITION].flush(**filters)  # INVALID_ARGUMENT
-        return sum(m.flush(**filters) for m in self.managers.values())
+            return self.of_tenant(tenant_id).flush(
+                model_id=model_id, model_revision=model_revision, lora_id=lora_id,
+                tenant_id=tenant_id)
+        if model_id is None and model_revision is None and lora_id is None:
+            return self.managers[SHARED_PARTITION].flush()  # INVALID_ARGUMENT
+        return sum(m.flush(model_id=model_id, model_revision=model_revision, lora_id=lora_id)
+                   for m in self.managers.values())
 
     # -- queries -------------------------------------------------------------------------------
 
-    def lookup(self, session_id: str, *args: Any) -> int:
-        return self.of_session(session_id).lookup(session_id, *args)
+    def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
+        return self.of_session(session_id).lookup(session_id, scope, tokens)
 
     def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]:
         return self.of_session(session_id).block_table(session_id, seq_id)
 
-    def inspect(self, session_id: str, *args: Any) -> Any:
-        return self.of_session(session_id).inspect(session_id, *args)
+    def inspect(self, session_id: str, seq_id: str, start: int = 0,
+                count: int | None = None) -> list[PositionInfo]:
+        return self.of_session(session_id).inspect(session_id, seq_id, start, count)
+
+    def sequence_blocks(self, session_id: str, seq_id: str) -> list[BlockInfo]:
+        return self.of_session(session_id).sequence_blocks(session_id, seq_id)
 
     def has_session(self, session_id: str) -> bool:
         return self.of_session(session_id).has_session(session_id)
 
-    def session_view(self, session_id: str) -> Any:
+    def session_view(self, session_id: str) -> SessionView:
         return self.of_session(session_id).session_view(session_id)
 
     def has_tenant(self, tenant_id: str) -> bool:
@@ -277,7 +262,7 @@ class Partitions:
             out.update(m.tenant_policies())
         return out
 
-    def tenant_usage(self) -> list[Any]:
+    def tenant_usage(self) -> list[TenantUsage]:
         return [u for m in self.managers.values() for u in m.tenant_usage()]
 
     def sequence_session(self, seq_id: str) -> str | None:
@@ -288,13 +273,17 @@ class Partitions:
         return None
 
     def sequences_of(self, tenant_ids: Collection[str] | None, after: str = "",
-                     limit: int = 1000) -> list[Any]:
+                     limit: int = 1000) -> list[SequenceSummary]:
         """Every partition's page, merged in sequence-id order (each is sorted)."""
         pages = [m.sequences_of(tenant_ids, after=after, limit=limit)
                  for m in self.managers.values()]
         return list(heapq.merge(*pages, key=lambda s: s.seq_id))[:limit]
 
-    def state_counts(self, partitions: Collection[str] | None = None) -> dict[str, int]:
+    def state_counts(self) -> dict[str, int]:
+        """Blocks per state, summed over every partition."""
+        return self.state_counts_of(None)
+
+    def state_counts_of(self, partitions: Collection[str] | None) -> dict[str, int]:
         """Blocks per state, summed over ``partitions`` (None: all)."""
         out: dict[str, int] = {}
         for name, m in self.managers.items():
@@ -341,7 +330,8 @@ class Partitions:
         return {name: snapshot.dump(m) for name, m in self.managers.items()}
 
     @classmethod
-    def load(cls, data: dict[str, bytes], spec: PoolSpec, *, ids: SequenceIds) -> Partitions:
+    def load(cls, data: dict[str, bytes], spec: PoolSpec, *, ids: SequenceIds
+             ) -> PartitionCoordinator:
         """Restored from ``dump``'s bytes: the layout and tenants the snapshot was taken
         under (a tenants file changed meanwhile is then applied as a reload)."""
         managers = {name: snapshot.load(raw, events=None, ids=ids) for name, raw in data.items()}
