@@ -212,10 +212,10 @@ class PrefixCache:
 
     def unindex(self, block: int) -> None:
         key = self.index.key_of(block) if self.events is not None else None
-        ns_id = self.index.remove(block)
-        self.namespaces.decref(self.namespaces.get(ns_id))
+        ns = self.namespaces.get(self.index.remove(block))
         if self.events is not None and key is not None:
-            self.events(BlockRemoved(block, key))
+            self.events(BlockRemoved(block, key, namespace_label(ns), ns.fields.sharing_domain))
+        self.namespaces.decref(ns)
 
     # -- flushes and queries ------------------------------------------------------------------
 

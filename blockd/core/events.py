@@ -35,10 +35,17 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """A block left the prefix index (evicted or flushed)."""
+    """A block left the prefix index (evicted or flushed).
+
+    It names its namespace and sharing domain as its ``BlockStored`` did, so that a consumer
+    shows the removal to exactly the audience that saw the block stored: block ids repeat
+    across partitions, so no one above the core keeps a ``block -> labels`` mirror.
+    """
 
     block: int
     key: bytes
+    namespace_label: str
+    sharing_domain: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,8 +66,7 @@ class Event:
     #: The namespace label (stored and removed blocks).
     namespace: str = ""
     #: The sharing domain ("public", "group:<name>"), or for a private domain
-    #: "private:<keyed digest of the tenant id>" (never the raw id). Stored and removed blocks;
-    #: "" for a removal of a block whose store this log never saw.
+    #: "private:<keyed digest of the tenant id>" (never the raw id). Stored and removed blocks.
     tenant: str = ""
 
     @property
@@ -112,9 +111,6 @@ class EventLog:
         #: Keys the private tenants' labels; never leaves this process, new at every start.
         self._label_key = os.urandom(32)
         self._tenant_labels: dict[str, str] = {}
-        #: Indexed block id -> (namespace label, tenant label), so that a removal can be shown
-        #: to the audiences that saw the block stored (one entry per indexed block).
-        self._indexed: dict[int, tuple[str, str]] = {}
 
     def add_listener(self, fn: Callable[[Event], None], audience: Audience = ANYONE) -> None:
         """Call ``fn(view)`` for every event ``audience`` may see from now on (on the event
@@ -146,14 +142,12 @@ class EventLog:
         """The BlockManager's event sink."""
         if isinstance(ev, BlockStored):
             tenant = self.tenant_label(ev.sharing_domain)
-            self._indexed[ev.block] = (ev.namespace_label, tenant)
             self._append(Event(0, STORED, (ev.key,), ev.parent_key, token_bytes=ev.token_bytes,
                                lora_id=ev.lora_id, namespace=ev.namespace_label, tenant=tenant))
         elif isinstance(ev, BlockRemoved):
-            namespace, tenant = self._indexed.pop(ev.block, ("", ""))
-            self._append(Event(0, REMOVED, (ev.key,), namespace=namespace, tenant=tenant))
+            self._append(Event(0, REMOVED, (ev.key,), namespace=ev.namespace_label,
+                               tenant=self.tenant_label(ev.sharing_domain)))
         elif isinstance(ev, AllBlocksCleared):
-            self._indexed.clear()
             self._append(Event(0, CLEARED))
         else:  # pragma: no cover - CoreEvent has no other members
             log.warning("unknown core event %r not logged", ev)

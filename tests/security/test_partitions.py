@@ -1,7 +1,8 @@
-"""PartitionCoordinator in process: every core behaviour inside a dedicated partition, ids local to it.
+"""The partition coordinator in process: every core behaviour inside a dedicated partition,
+ids local to it.
 
-The daemon's ``PartitionCoordinator`` routes each session to its partition's own ``BlockManager``; these
-tests drive it as the runtime does (session ids first) and check exact block ids, that nothing
+The daemon's ``PartitionCoordinator`` routes each session to its partition's own
+``BlockManager``; these tests drive it as the runtime does (session ids first) and check exact block ids, that nothing
 crosses a partition (allocation, hits, eviction, scrub, preemption), that a reload changing the
 partitions is refused with nothing changed, and that a snapshot restores every partition.
 """
@@ -140,3 +141,28 @@ def test_a_snapshot_restores_every_partition() -> None:
     assert q.partition_of_session(d) == "tenant-ded" and q.partition_of_tenant("g2") == \
         "group-lab"
     q.check_invariants()
+
+
+def test_a_removal_is_shown_to_the_audience_that_saw_its_block_stored() -> None:
+    """Block ids repeat across partitions: the dedicated tenant's block 0 and a shared
+    tenant's block 0 are two blocks. Each removal must carry its own namespace and sharing
+    domain, so that only the audience that saw the block stored sees it go (a mirror keyed by
+    block id gave the shared removal the dedicated tenant's labels, or the reverse)."""
+    from blockd.runtime.events import REMOVED, STORED, EventLog
+
+    log = EventLog()
+    p = PartitionCoordinator(SPEC, _policies())
+    p.set_event_sink(log.on_core_event)
+    a, d = p.open_session("shared-a"), p.open_session("ded")
+    _commit(p, d, list(range(5)), 1)  # ded's block 0 is indexed
+    _commit(p, a, list(range(100, 105)), 1)  # so is shared-a's block 0
+    ded_view = log.audience([p.tenant_policy("ded").sharing_domain])
+    shared_view = log.audience([p.tenant_policy("shared-a").sharing_domain])
+    assert p.flush(tenant_id="ded") == 1  # ded's block 0 leaves the index
+    removed = [ev for ev in log.since(1) if ev.kind == REMOVED]
+    assert len(removed) == 1
+    assert ded_view.view(removed[0]) is not None  # ded saw it stored, sees it go
+    assert shared_view.view(removed[0]) is None  # shared-a never saw ded's block
+    stored = {ev.block_hashes: ev for ev in log.since(1) if ev.kind == STORED}
+    assert removed[0].tenant == stored[removed[0].block_hashes].tenant
+    assert removed[0].namespace == stored[removed[0].block_hashes].namespace
