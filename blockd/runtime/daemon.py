@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -34,6 +33,7 @@ from blockd.pools.base import Pool
 from blockd.runtime import convert, stats, step, tenants_file
 from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key
 from blockd.runtime.events import EventLog
+from blockd.runtime.journal_records import FlushRecord, TenantsRecord
 from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.packed import PackedIds
 from blockd.runtime.pool_set import build_pools, close_pools
@@ -249,7 +249,7 @@ class Daemon:
         for info, reason in revoked:
             self.sessions.revoke(info, reason)
         flushed = self.manager.set_tenants(fresh.tenants)
-        self.recovery.record(["tenants", pickle.dumps(list(fresh.tenants))])
+        self.recovery.record(TenantsRecord(tuple(fresh.tenants)))
         self.tenants = self.sessions.tenants = fresh
         self.budgets.forget({p.tenant_id for p in fresh.tenants})
         self.budgets.set_overrides(fresh.budgets)
@@ -470,10 +470,11 @@ class Daemon:
                 raise PermissionDenied("without an admin credential a flush must name one of "
                                        "the caller's tenants", field="tenant_id")
             principal.require_tenant(req.tenant_id)
-        filters = {"model_id": req.model_id or None, "model_revision": req.model_revision or None,
-                   "lora_id": req.lora_id or None, "tenant_id": req.tenant_id or None}
-        n = self.manager.flush(**filters)
-        self.recovery.record(["flush", filters])
+        record = FlushRecord(model_id=req.model_id or None,
+                             model_revision=req.model_revision or None,
+                             lora_id=req.lora_id or None, tenant_id=req.tenant_id or None)
+        n = self.manager.flush(**record.filters())
+        self.recovery.record(record)
         self._journalled()
         return pb.FlushNamespaceResponse(num_blocks_flushed=n)
 

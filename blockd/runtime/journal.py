@@ -4,7 +4,7 @@ One record per applied change, written before the change is acknowledged (a Step
 sent only after its record is written). A record is ``[u32 length][u32 ~length][u32 crc32]
 [msgpack]``: the length twice (the second inverted) so that a damaged length is told from a
 torn write, and a CRC32 of the payload. The payload is a list whose first item names the
-record kind (see ``blockd.runtime.recovery``).
+record kind (``blockd.runtime.journal_records``: one typed record per kind).
 
 Durability model: the journal lives on the same tmpfs as the pool (``state.dir``). ``write``
 returning means the bytes are in the kernel's page cache, which survives the daemon's death

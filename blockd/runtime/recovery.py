@@ -9,15 +9,7 @@ it replays, fence pages are not polled, scrubbed blocks are not zeroed again, an
 per-request limits of this start are not applied. The daemon then carries on with the same
 epoch: workers' block ids, sequences and mapped pool stay valid.
 
-Journal records (msgpack lists, see ``blockd.runtime.journal``)::
-
-    ["attach", session_id, tenant_id, owner, worker_name, lease_ms]
-    ["detach", session_id, reason]
-    ["fence", session_id, completed_fence]
-    ["step", session_id, StepRequest bytes, [minted sequence ids], [[index, status], ...]]
-    ["flush", {filter: value}]
-    ["revoke", session_id, reason]          (a tenants reload took the session's rights)
-    ["tenants", pickled tenant policies]
+Journal records: one typed record per kind (``blockd.runtime.journal_records``).
 
 A Step record is what was applied (``blockd.runtime.step.journal_record``): the request without
 unknown fields, its failed operations emptied and their statuses kept. Nothing is applied
@@ -43,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,8 +50,18 @@ from blockd.core.ids import SequenceIds
 from blockd.core.spec import PoolSpec
 from blockd.runtime import step
 from blockd.runtime.journal import OVERHEAD, Journal, scan
+from blockd.runtime.journal_records import (
+    AttachRecord,
+    DetachRecord,
+    FenceRecord,
+    FlushRecord,
+    Record,
+    RevokeRecord,
+    StepRecord,
+    from_record,
+)
 from blockd.runtime.pool_set import partition_path
-from blockd.runtime.sessions import SavedSession, Sessions
+from blockd.runtime.sessions import SavedSession, SessionInfo, Sessions
 from blockd.runtime.state_store import StateStore
 
 log = logging.getLogger("blockd.recovery")
@@ -217,7 +218,7 @@ class Recovery:
 
     # -- recording -----------------------------------------------------------------------------
 
-    def record(self, record: list[Any]) -> None:
+    def record(self, record: Record) -> None:
         """Journal one applied change (no-op without ``state.dir`` and during a replay).
 
         A failed write raises UNAVAILABLE and marks the journal failed: the change is in
@@ -231,12 +232,12 @@ class Recovery:
         if journal is None:
             return
         try:
-            journal.append(record)
+            journal.append(record.to_record())
         except OSError as exc:
             self.failed = f"{exc.strerror or exc} writing {journal.path}"
             log.error("journal write failed: refusing every call until restarted (nothing "
                       "unjournalled was acknowledged)",
-                      extra=logs.fields(journal=journal.path, record=str(record[0]),
+                      extra=logs.fields(journal=journal.path, record=record.kind,
                                         error=exc.strerror or str(exc)))
             raise Unavailable(f"the journal cannot be written ({self.failed}): the daemon "
                               "must be restarted") from None
@@ -246,7 +247,7 @@ class Recovery:
         """Journal what a Step applied (``step.journal_record``)."""
         if self.journal is not None:
             raw, failed = step.journal_record(req, resp)
-            self.record(["step", session_id, raw, minted, sorted(failed.items())])
+            self.record(StepRecord(session_id, raw, tuple(minted), tuple(sorted(failed.items()))))
 
     @property
     def due(self) -> bool:
@@ -318,36 +319,33 @@ def _problem(state: object, spec: PoolSpec, layout: dict[str, int], store: State
     return None
 
 
-def _apply(record: list[Any], m: KVManager, sessions: Sessions, ids: SequenceIds,
+def _apply(raw: list[Any], m: KVManager, sessions: Sessions, ids: SequenceIds,
            epoch: int, errors: Counter[str]) -> None:
-    kind = record[0]
-    if kind == "step":
-        _, sid, raw, minted, failed = record
-        info = sessions.find(sid)
-        if info is None:
-            raise ValueError(f"journal: a step of unknown session {sid!r}")
-        with ids.replaying(minted):
-            step.apply_step(m, sessions, info, pb.StepRequest.FromString(raw), epoch=epoch,
-                            limits=None, errors=errors,
-                            failed={int(i): bytes(st) for i, st in failed})
-    elif kind == "fence":
-        m.complete_fence(record[1], record[2])
-    elif kind == "attach":
-        _, sid, tenant_id, owner, worker_name, lease_ms = record
-        sessions.open(sid, tenant_id, owner, worker_name, lease_ms)
-    elif kind == "detach":
-        info = sessions.find(record[1])
-        if info is None:
-            raise ValueError(f"journal: a detach of unknown session {record[1]!r}")
-        sessions.detach(info, record[2], poll_fence=False)
-    elif kind == "flush":
-        m.flush(**record[1])
-    elif kind == "revoke":
-        info = sessions.find(record[1])
-        if info is None:
-            raise ValueError(f"journal: a revoke of unknown session {record[1]!r}")
-        sessions.revoke(info, record[2])
-    elif kind == "tenants":
-        m.set_tenants(pickle.loads(record[1]))  # noqa: S301 (our own journal)
+    record = from_record(raw)
+    if isinstance(record, StepRecord):
+        info = _session(sessions, record)
+        with ids.replaying(list(record.minted)):
+            step.apply_step(m, sessions, info, pb.StepRequest.FromString(record.request),
+                            epoch=epoch, limits=None, errors=errors,
+                            failed=record.failed_statuses())
+    elif isinstance(record, FenceRecord):
+        m.complete_fence(record.session_id, record.completed_fence)
+    elif isinstance(record, AttachRecord):
+        sessions.open(record.session_id, record.tenant_id, record.owner, record.worker_name,
+                      record.lease_ms)
+    elif isinstance(record, DetachRecord):
+        sessions.detach(_session(sessions, record), record.reason, poll_fence=False)
+    elif isinstance(record, FlushRecord):
+        m.flush(**record.filters())
+    elif isinstance(record, RevokeRecord):
+        sessions.revoke(_session(sessions, record), record.reason)
     else:
-        raise ValueError(f"unknown journal record {kind!r}")
+        m.set_tenants(record.policies)
+
+
+def _session(sessions: Sessions, record: StepRecord | DetachRecord | RevokeRecord
+             ) -> SessionInfo:
+    info = sessions.find(record.session_id)
+    if info is None:
+        raise ValueError(f"journal: a {record.kind} of unknown session {record.session_id!r}")
+    return info

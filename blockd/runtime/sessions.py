@@ -19,7 +19,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
@@ -27,6 +26,13 @@ from blockd.config import LeaseConfig
 from blockd.core.contract import KVManager
 from blockd.core.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 from blockd.pools.fences import FencePage
+from blockd.runtime.journal_records import (
+    AttachRecord,
+    DetachRecord,
+    FenceRecord,
+    Record,
+    RevokeRecord,
+)
 from blockd.runtime.state_store import StateStore
 from blockd.runtime.tenants_file import Principal, TenantsFile
 
@@ -65,7 +71,7 @@ class Sessions:
 
     def __init__(self, manager: KVManager, *, epoch: int, tenants: TenantsFile,
                  lease: LeaseConfig, max_sessions: int, store: StateStore | None,
-                 record: Callable[[list[Any]], None]) -> None:
+                 record: Callable[[Record], None]) -> None:
         self.m = manager
         self.epoch = epoch
         #: Credentials (and the tenants they may act for); replaced by a reload.
@@ -181,7 +187,7 @@ class Sessions:
         if len(self._by_id) >= self.max_sessions:
             raise ResourceExhausted("the daemon's session limit is reached", reason="sessions")
         info = self.open(None, tenant_id, principal.name, worker_name, lease)
-        self.record(["attach", info.id, info.tenant_id, info.owner, info.worker_name, lease])
+        self.record(AttachRecord(info.id, info.tenant_id, info.owner, info.worker_name, lease))
         log.info("session attached", extra=logs.fields(tenant=tenant_id, worker=worker_name,
                                                        lease_ms=lease))
         return info
@@ -242,7 +248,7 @@ class Sessions:
             self._revoked[info.id] = info.revoked
             if len(self._revoked) > MAX_REVOKED:
                 del self._revoked[next(iter(self._revoked))]
-        self.record(["detach", info.id, reason])
+        self.record(DetachRecord(info.id, reason))
         if info.fence_page is not None:
             info.fence_page.close(unlink=True)
         log.info("session closed", extra=logs.fields(tenant=info.tenant_id,
@@ -299,7 +305,7 @@ class Sessions:
         expires. Returns the sequences released."""
         released = self.m.revoke_session(info.id)
         info.revoked = reason
-        self.record(["revoke", info.id, reason])
+        self.record(RevokeRecord(info.id, reason))
         log.warning("session revoked", extra=logs.fields(
             tenant=info.tenant_id, worker=info.worker_name, reason=reason, sequences=released))
         return released
@@ -324,7 +330,7 @@ class Sessions:
 
     def _completed(self, info: SessionInfo, done: int) -> None:
         if done:
-            self.record(["fence", info.id, done])
+            self.record(FenceRecord(info.id, done))
             self._note_fences(info, 0)
 
     def stepped(self, info: SessionInfo, req: pb.StepRequest, resp: pb.StepResponse) -> None:
