@@ -8,7 +8,8 @@ epoch, draining, per-request limits), makes its core calls, journals the change,
 the result (``blockd.runtime.convert``). Everything here runs on the server's event loop.
 
 With ``state.dir`` a restarted daemon carries on from its snapshot and journal
-(``blockd.runtime.recovery``); ``start`` is the one way to get a recovered daemon.
+(``blockd.runtime.recovery``); ``blockd.runtime.startup.start`` is the one way to get a
+recovered daemon.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from blockd.runtime.journal_records import FlushRecord, TenantsRecord
 from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.packed import PackedIds
 from blockd.runtime.pool_set import build_pools, close_pools
-from blockd.runtime.recovery import JournalCorrupt, Recovery
+from blockd.runtime.recovery import Recovery
 from blockd.runtime.sessions import Sessions
 from blockd.runtime.state_store import StateStore
 from blockd.runtime.step import StepLimits
@@ -46,54 +47,12 @@ from blockd.runtime.tenants_file import Principal, TenantsFile
 log = logging.getLogger("blockd.daemon")
 
 
-def start(cfg: Config) -> Daemon:
-    """The daemon, recovered from ``state.dir`` when there is state to recover.
-
-    If replaying the state fails (a corrupt journal record, a bug), the snapshot and journal
-    are moved aside for a post-mortem and the daemon starts a new epoch, which workers detect:
-    carrying on without the lost records would hand acknowledged blocks to others, and a crash
-    loop would keep every worker waiting. A state directory that cannot be written (full) is
-    an ``OSError``: the daemon refuses to start and the state is kept for when there is room.
-    """
-    daemon = Daemon(cfg)
-    damage = None
-    try:
-        daemon.recover()
-        return daemon
-    except OSError:
-        daemon.close()
-        raise
-    except JournalCorrupt as exc:
-        store = daemon.recovery.store
-        damage = daemon.recovery.journal_damage
-        daemon.close()
-        assert store is not None
-        kept = store.quarantine()
-        log.error("the journal is corrupt: starting a new epoch, what it held after the damage "
-                  "is lost (the snapshot and journal are kept)",
-                  extra=logs.fields(state_dir=store.dir, kept=kept, journal=exc.path,
-                                    lost=exc.what))
-    except Exception:
-        store = daemon.recovery.store
-        daemon.close()
-        if store is None:
-            raise
-        kept = store.quarantine()
-        log.exception("recovering failed: starting a new epoch (the snapshot and journal are "
-                      "kept)", extra=logs.fields(state_dir=store.dir, kept=kept))
-    daemon = Daemon(cfg)
-    if damage is not None:
-        daemon.recovery.journal_damage.update(damage)
-    daemon.recover()
-    return daemon
-
-
 #: The token ids of a Lookup read from its bytes that are decoded first (``Daemon.lookup``).
 LOOKUP_FIRST_IDS = 4096
 
 
 class Daemon:
-    """One daemon process's state. Build it with ``start``."""
+    """One daemon process's state. Build it with ``blockd.runtime.startup.start``."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg

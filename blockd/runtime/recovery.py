@@ -22,7 +22,7 @@ is UNAVAILABLE until it is restarted, and the restart replays exactly what was a
 
 A damaged journal (``blockd.runtime.journal.scan``): a torn final record (never acknowledged)
 is dropped, logged and counted; a corrupt record raises ``JournalCorrupt``, and
-``blockd.runtime.daemon.start`` moves the state aside and starts a new epoch, logging what was
+``blockd.runtime.startup.start`` moves the state aside and starts a new epoch, logging what was
 lost, rather than carry on with a hole in the acknowledged changes.
 
 A snapshot another layout wrote (another ``SNAPSHOT_VERSION`` or core snapshot format, or one

@@ -33,7 +33,8 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config, ServerConfig
 from blockd.core.errors import FailedPrecondition, Internal
 from blockd.pools.handles import HandleServer
-from blockd.runtime import daemon as runtime
+from blockd.runtime import startup as runtime
+from blockd.runtime.daemon import Daemon
 from blockd.runtime.kv_events import KvEventPublisher
 from blockd.runtime.refusal_holds import RefusalHolds
 from blockd.server.endpoints import (
@@ -65,7 +66,7 @@ async def every(interval_ms: float, fn: Callable[[], object], what: str) -> None
             log.exception("periodic task failed", extra=logs.fields(task=what))
 
 
-def check_invariants(daemon: runtime.Daemon, metrics: Metrics) -> None:
+def check_invariants(daemon: Daemon, metrics: Metrics) -> None:
     """One periodic invariant check: a violation (the core's ``Internal``, raised under
     ``python -O`` too) is counted and logged, and the daemon keeps serving."""
     metrics.invariant_checks += 1
@@ -119,7 +120,7 @@ def _listen(server: grpc.aio.Server, target: str, field: str,
                                  "address of this host)", field=field) from None
 
 
-def _start_runtime(cfg: Config) -> runtime.Daemon:
+def _start_runtime(cfg: Config) -> Daemon:
     """``runtime.start``, with a file the configuration names that cannot be used (a missing
     tenants file, a state directory on a full disk) refused on its field."""
     try:

@@ -16,7 +16,7 @@ from daemon_proc import NS, TENANTS, Worker, admit, commit, md, start
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config, PoolConfig
 from blockd.core.errors import ResourceExhausted
-from blockd.runtime import daemon as runtime
+from blockd.runtime import startup as runtime
 from blockd.runtime.budgets import OverBudget, WorkBudgets
 
 S = grpc.StatusCode

@@ -20,7 +20,7 @@ import grpc
 from blockd import config
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.runtime import daemon as runtime
+from blockd.runtime import startup as runtime
 from blockd.server import app
 from blockd.server.metrics import Metrics
 from blockd.server.servicer import BlockdServicer
