@@ -44,10 +44,10 @@ class CommitBatch:
     keys: list[bytes]
     chunks: list[bytes]
     ns_id: int
-    #: The generation ``blocks[0]``'s parent (``chain[start - 1]``) had when the batch was
-    #: made, or ``PINNED`` when that parent is the sequence's own table entry (held, so it
-    #: cannot change while the batch waits). Checked by pending hits (``Session.pending``).
-    parent_gen: int = -1
+    #: The serial ``blocks[0]``'s parent (``chain[start - 1]``) had when the batch was made,
+    #: or ``PINNED`` when that parent is the sequence's own table entry (held, so it cannot
+    #: change while the batch waits). Checked by pending hits (``Session.pending``).
+    parent_serial: int = -1
 
 
 
@@ -68,7 +68,7 @@ class PrefixCache:
         #: Where index changes are reported; not part of a snapshot (see ``__getstate__``).
         self.events = events
         #: Committed blocks whose content was already indexed in another block: block ->
-        #: (that block, its generation). Holds only such duplicates, and only while allocated.
+        #: (that block, its serial). Holds only such duplicates, and only while allocated.
         self.dup: dict[int, tuple[int, int]] = {}
 
     def __getstate__(self) -> dict[str, object]:
@@ -93,16 +93,16 @@ class PrefixCache:
         step = index.chunk_bytes
         tokens = seq.tokens
         chunks = [bytes(tokens[i * step:(i + 1) * step]) for i in range(count)]
-        parent_gen = PINNED
+        parent_serial = PINNED
         if start:
             # A parent other than the table's own block is a verified indexed twin (see the
             # NOTE on duplicates), not held by this sequence: remember its incarnation.
             parent = seq.chain[start - 1]
             if parent != seq.table[start - 1]:
-                parent_gen = index.gen[parent] if index.ns[parent] else STALE
+                parent_serial = index.serial[parent] if index.ns[parent] else STALE
         seq.chain.extend(blocks)
         batch = CommitBatch(seq.chain, start, blocks, seq.keys[:count], chunks, seq.ns.id,
-                            parent_gen)
+                            parent_serial)
         del seq.keys[:count]
         del tokens[:count * step]
         self.namespaces.incref(seq.ns)
@@ -129,8 +129,8 @@ class PrefixCache:
             if dup and parent in dup:
                 # The parent turned out to duplicate an indexed block (possibly found through a
                 # fork sibling's chain): chain to that one while it is the same incarnation.
-                canon, gen = dup[parent]
-                if indexed[canon] and index.gen[canon] == gen:
+                canon, serial = dup[parent]
+                if indexed[canon] and index.serial[canon] == serial:
                     parent = canon
             if state[b] == FREE or indexed[b]:
                 continue  # flushed meanwhile, or already indexed through a sibling
@@ -144,15 +144,15 @@ class PrefixCache:
                 if emit is not None:
                     emit(self._stored(b))
                 continue
-            # Key taken: an identical block was indexed first. Chain later blocks to it, but
-            # only after verifying it, so a colliding key can never become our parent.
+            # Not indexed: the parent left the index meanwhile (flushed), so this block's
+            # prefix is no longer hittable; or the key is taken: an identical block was
+            # indexed first. Chain later blocks to that one, but only after verifying it, so
+            # a colliding key can never become our parent.
             other = index.find(key)
-            if other is None:
-                raise Internal("the key table refused a key it does not hold")
-            if (index.tokens_of(other) == chunk and index.is_child(other, parent)
-                    and index.ns[other] == batch.ns_id):
+            if (other is not None and index.tokens_of(other) == chunk
+                    and index.is_child(other, parent) and index.ns[other] == batch.ns_id):
                 chain[i] = other
-                dup[b] = (other, index.gen[other])
+                dup[b] = (other, index.serial[other])
         self.namespaces.decref(ns)
 
     def drop_commit(self, batch: CommitBatch) -> None:

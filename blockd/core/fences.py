@@ -65,7 +65,7 @@ class Session:
     #: is ABORTED rather than NOT_FOUND.
     preempted_ids: dict[str, None] = field(default_factory=dict)
     #: The session's own commits still waiting for their fence, by key: (block, parent,
-    #: parent generation or ``PINNED``, token ids, namespace id). Only this session's later
+    #: parent serial or ``PINNED``, token ids, namespace id). Only this session's later
     #: admissions hit them (its worker orders its own kernels, so they run after the K/V is
     #: written); every other session sees them once the fence completes. Written by the
     #: ledger only (``commit`` adds, completion and drops remove); read by
@@ -219,13 +219,13 @@ class FenceLedger:
         session.waiting.append((fence, COMMIT, batch))
         pending = session.pending
         parent = batch.chain[batch.start - 1] if batch.start else NO_PARENT
-        parent_gen = batch.parent_gen
+        parent_serial = batch.parent_serial
         ns_id = batch.ns_id
         for key, b, chunk in zip(batch.keys, batch.blocks, batch.chunks, strict=True):
             if key not in pending:  # a twin committed earlier by this session keeps the key
-                pending[key] = (b, parent, parent_gen, chunk, ns_id)
+                pending[key] = (b, parent, parent_serial, chunk, ns_id)
             parent = b
-            parent_gen = PINNED  # the block before it in the same table
+            parent_serial = PINNED  # the block before it in the same table
 
     @staticmethod
     def _unpend(session: Session, batch: CommitBatch) -> None:

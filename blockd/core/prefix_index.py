@@ -14,22 +14,21 @@ docs/decisions.md).
 
 Verification. A key only *finds* a candidate. A hit is accepted only if every block of the
 matched prefix has the request's token ids, the request's namespace id, and the right parent:
-the block matched just before it (none for the first) *in the same incarnation* it had when the
-child was indexed. Each block carries a generation, bumped whenever it is indexed; a child
-records its parent's generation. A block id that was evicted and re-indexed with other content
-therefore never vouches for the children of its former self, whose K/V were computed after the
-old content. A forced collision of the hash yields a miss, never another prefix's K/V.
+the entry matched just before it (none for the first) *in the same incarnation* it had when the
+child was indexed. Each indexed entry has a serial (``next_serial``), kept when its bytes move
+between tiers (``blockd.core.lower_tiers``); a child records its parent's serial.
+A block id that was evicted and re-indexed with other content has a new serial, so it never
+vouches for the children of its former self, whose K/V were computed after the old content; a
+prefix spilled to a lower tier keeps its serial, so its children still chain to it there. A
+forced collision of the hash yields a miss, never another prefix's K/V.
 
 Only COMMITTED/PENDING/CACHED blocks whose commit fence has passed are in the index; the
 caching room inserts them when that fence completes.
 
 Memory (issue 17: at most 150 bytes per indexed block at 1M blocks, verification kept). No
-Python object per block: keys and token ids live in two flat arenas indexed by block id (16 and
-``4 * block_size`` bytes per block, grown to the highest block id indexed so far), and the key
--> block map is an open-addressing table of block ids (linear probing, backward-shift deletion)
-whose home slot is the key's own first bytes (the key is already a keyed hash; Python's
-``hash`` is salted per process, which would break snapshots). A dict of bytes keys to int
-blocks cost ~150 bytes per block on its own (key object, int object, dict entry).
+Python object per block: the key -> block map is a ``KeyTable`` (``blockd.core.key_table``), the
+token ids a flat arena indexed by block id (``4 * block_size`` bytes per block, grown to the
+highest block id indexed so far), the rest flat arrays.
 """
 
 from __future__ import annotations
@@ -42,35 +41,31 @@ from operator import eq
 import xxhash
 
 from blockd.core.errors import Internal
+from blockd.core.key_table import KeyTable
 
 NO_PARENT = -1
-#: A pending entry's parent generation when the parent is held by the committing sequence's
-#: own table (it cannot change while the entry waits); ``STALE``: a parent that was no longer
+#: A pending entry's parent serial when the parent is held by the committing sequence's own
+#: table (it cannot change while the entry waits); ``STALE``: a parent that was no longer
 #: indexed, so the entry is never hit (``match``, pending hits).
 PINNED = -1
 STALE = -2
 
-#: Preallocated per block: parent(4) + parent's generation(4) + generation(4) + namespace(4)
-#: + linked to the id below (1, ``_linked``) + the key table's slots (4 bytes each, 2 to 4
-#: slots per block: ``_table_size``; 2.1 at 1M blocks).
+#: Preallocated per block: parent(4) + parent's serial(4) + serial(4) + namespace(4) + linked
+#: to the id below (1, ``_linked``) + the key table's slots (4 bytes each, 2 to 4 slots per
+#: block: ``key_table.table_size``; 2.1 at 1M blocks).
 BYTES_PER_BLOCK = 33
-#: Bytes of one key (XXH3-128 digest).
-KEY_BYTES = 16
-_GEN_MASK = 0xFFFFFFFF
-_EMPTY = -1
+#: Serials are 32-bit and wrap (skipping 0, "not indexed"): a stale child could chain to a
+#: wrapped serial only if its parent pointer also named the block now holding it *and* its
+#: key collided with the request's, as the per-block generations they replace did.
+SERIAL_MASK = 0xFFFFFFFF
 
 
-def _table_size(num_blocks: int) -> int:
-    """Slots of the key table: a power of two, at least 2 per block. An insert probes
-    ~(1 + 1/(1-load)^2)/2 slots: 1.5 per block ran a full 20,000-block pool at load 0.61 (~3.8
-    probes), 2 runs it at 0.31 (~1.5); see bench/results/core_perf.md. Same at 1M blocks."""
-    size = 8
-    while size < 2 * num_blocks:
-        size *= 2
-    return size
+def next_serial(serial: int) -> int:
+    """The serial after ``serial`` (mod 2^32, never 0)."""
+    return (serial & SERIAL_MASK) + 1 if serial < SERIAL_MASK else 1
 
 HashFactory = Callable[[int], "xxhash.xxh3_128"]
-#: A session's pending commits by key: (block, parent, parent generation or ``PINNED``,
+#: A session's pending commits by key: (block, parent, parent serial or ``PINNED``,
 #: token ids, namespace id); see ``blockd.core.fences.Session.pending``.
 PendingHits = dict[bytes, tuple[int, int, int, bytes, int]]
 
@@ -91,20 +86,20 @@ class PrefixIndex:
         # Tests inject a weak hash here to force collisions; production uses keyed XXH3-128.
         self._new_hasher: HashFactory = hasher_factory or _xxh3
         self.num_blocks = num_blocks
-        #: Key table: slot -> block id (``_EMPTY``); a block's home slot is ``_home(key)``.
-        self._slots = array("i", [_EMPTY]) * _table_size(num_blocks)
-        self._mask = len(self._slots) - 1
-        #: Arenas by block id: the key it is indexed under, its token ids (uint32 LE). Valid
-        #: only while the block is indexed (``ns[b] != 0``); grown by ``_reserve``.
-        self._keys = bytearray()
+        #: Key -> indexed block.
+        self.keys = KeyTable(num_blocks)
+        #: Token ids (uint32 LE) by block id, valid only while the block is indexed
+        #: (``ns[b] != 0``); grown by ``_reserve``.
         self._tokens = bytearray()
-        self._count = 0
-        #: Block matched just before this one in its prefix, NO_PARENT for a first block.
+        #: Block matched just before this one in its prefix, NO_PARENT for a first block (a
+        #: pool block: it may have left the pool since, see ``parent_serial``).
         self.parent = array("i", [NO_PARENT]) * num_blocks
-        #: Bumped whenever the block enters or leaves the index (mod 2^32): its incarnation.
-        self.gen = array("I", bytes(4 * num_blocks))
-        #: The parent's generation when this block was indexed.
-        self.parent_gen = array("I", bytes(4 * num_blocks))
+        #: The serial of the entry indexed at the block, 0 while none is: its incarnation.
+        self.serial = array("I", bytes(4 * num_blocks))
+        #: The parent's serial when this block was indexed (0 for a first block).
+        self.parent_serial = array("I", bytes(4 * num_blocks))
+        #: The next serial ``insert`` mints (``next_serial``).
+        self.next_serial = 1
         #: Interned namespace id (0: not indexed).
         self.ns = array("I", bytes(4 * num_blocks))
         #: 1 where ``parent[b] == b - 1`` (b >= 1): ``_verify_chain`` finds where a run of
@@ -119,10 +114,6 @@ class PrefixIndex:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
-        if "_linked" not in state:  # a snapshot written before runs were tracked
-            parent = self.parent
-            self._linked = bytearray(b >= 1 and parent[b] == b - 1
-                                     for b in range(self.num_blocks))
         if self._new_hasher is None:
             self._new_hasher = _xxh3
 
@@ -201,25 +192,24 @@ class PrefixIndex:
             h.update(memoryview(token_bytes)[: n * step])
         prev = hits[-1] if n else NO_PARENT
         get = pending.get
-        indexed = self.ns
-        gen = self.gen
+        serial = self.serial
         for off in range(n * step, max_blocks * step, step):
             chunk = token_bytes[off:off + step]
             h.update(chunk)
             entry = get(h.digest())
             if entry is None:
                 return
-            b, parent, parent_gen, stored, ns = entry
+            b, parent, parent_serial, stored, ns = entry
             if parent != prev or ns != ns_id or stored != chunk:
                 return
-            if parent_gen != PINNED and (not indexed[parent] or gen[parent] != parent_gen):
+            if parent_serial != PINNED and serial[parent] != parent_serial:
                 return
             hits.append(b)
             prev = b
 
     def _match_indexed(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int
                        ) -> list[int]:
-        get = self.find
+        get = self.keys.find
         lo, hi = 0, max_blocks
         found = get(self.key_at(root_key, token_bytes, hi))
         if found is not None:
@@ -244,19 +234,19 @@ class PrefixIndex:
                       ) -> list[int] | None:
         """The ``n`` blocks ending at ``last``, if they hold exactly this prompt's prefix.
 
-        NOTE: only the first block's namespace is compared. A child is indexed only under a
-        parent of its own namespace (the block before it in its sequence, or a verified twin),
-        and a parent's generation changes whenever it leaves or re-enters the index; so once
-        every link's generation matches, every block of the chain has the first one's
-        namespace. That saves a pass over the chain on every lookup.
+        NOTE: only the first block's namespace is compared. A child is indexed only under an
+        indexed parent of its own namespace (the block before it in its sequence, or a
+        verified twin), and a block's serial changes whenever it leaves or re-enters the
+        index; so once every link's serial matches, every block of the chain has the first
+        one's namespace. That saves a pass over the chain on every lookup.
 
         Cost (issue 17): walked as runs of consecutive ids (what the LIFO free stack mostly
         hands a prompt), each run found by one ``rfind`` in ``_linked`` and checked by one
-        generation and one token comparison: a few C calls per run, not per block.
+        serial and one token comparison: a few C calls per run, not per block.
         """
         parent = self.parent
-        parent_gen = self.parent_gen
-        gen = self.gen
+        parent_serial = self.parent_serial
+        serial = self.serial
         run_start = self._linked.rfind
         step = self.chunk_bytes
         arena = self._tokens
@@ -271,9 +261,9 @@ class PrefixIndex:
             length = hi - lo + 1
             pos -= length
             # Inside the run, each parent must still be the incarnation its child was computed
-            # after (which also means it is still indexed: leaving the index bumps the
-            # generation); the token ids must be the prompt's.
-            if (parent_gen[lo + 1:hi + 1] != gen[lo:hi]
+            # after (which also means it is still indexed: a block that is not has serial 0,
+            # no child's parent serial); the token ids must be the prompt's.
+            if (parent_serial[lo + 1:hi + 1] != serial[lo:hi]
                     or arena[lo * step:(hi + 1) * step]
                     != token_bytes[pos * step:(pos + length) * step]):
                 return None
@@ -281,7 +271,7 @@ class PrefixIndex:
             hi = parent[lo]
             if not pos or hi < 0:
                 break
-            if parent_gen[lo] != gen[hi]:  # the link into this run from the run before it
+            if parent_serial[lo] != serial[hi]:  # the link into this run from the one before
                 return None
         if pos or hi != NO_PARENT:
             return None
@@ -302,8 +292,9 @@ class PrefixIndex:
         step = self.chunk_bytes
         out: list[int] = []
         expect = NO_PARENT
+        find = self.keys.find
         for i, key in enumerate(keys):
-            b = self.find(key)
+            b = find(key)
             if (b is None or not self.is_child(b, expect) or self.ns[b] != ns_id
                     or not eq(self._tokens[b * step:(b + 1) * step],
                               token_bytes[i * step:(i + 1) * step])):
@@ -314,22 +305,9 @@ class PrefixIndex:
 
     # -- membership ---------------------------------------------------------------------------
 
-    def _home(self, key: bytes | bytearray) -> int:
-        return int.from_bytes(key, "little") & self._mask
-
     def find(self, key: bytes) -> int | None:
         """The block indexed under ``key``, or None."""
-        slots = self._slots
-        keys = self._keys
-        mask = self._mask
-        i = int.from_bytes(key, "little") & mask
-        while True:
-            b = slots[i]
-            if b == _EMPTY:
-                return None
-            if keys[b * KEY_BYTES:(b + 1) * KEY_BYTES] == key:
-                return b
-            i = (i + 1) & mask
+        return self.keys.find(key)
 
     def is_indexed(self, block: int) -> bool:
         return self.ns[block] != 0
@@ -338,7 +316,7 @@ class PrefixIndex:
         """The key ``block`` is indexed under (None: not indexed)."""
         if not self.ns[block]:
             return None
-        return bytes(self._keys[block * KEY_BYTES:(block + 1) * KEY_BYTES])
+        return self.keys.key_of(block)
 
     def tokens_of(self, block: int) -> bytes | None:
         """The token ids (uint32 LE) of an indexed block (None: not indexed)."""
@@ -353,38 +331,36 @@ class PrefixIndex:
         return [b for b in range(self.num_blocks) if ns[b]]
 
     def _reserve(self, block: int) -> None:
-        """Grow the arenas to hold ``block`` (doubling, capped at the pool: at most
-        ``KEY_BYTES + chunk_bytes`` per block ever indexed, never more than the pool's)."""
-        have = len(self._keys) // KEY_BYTES
+        """Grow the token arena to hold ``block`` (doubling, capped at the pool: at most
+        ``chunk_bytes`` per block ever indexed, never more than the pool's)."""
+        have = len(self._tokens) // self.chunk_bytes
         if block < have:
             return
         grow = min(self.num_blocks, max(block + 1, 2 * have, 1024)) - have
-        self._keys.extend(bytes(grow * KEY_BYTES))
         self._tokens.extend(bytes(grow * self.chunk_bytes))
 
-    def insert(self, block: int, key: bytes, chunk: bytes, parent: int, ns_id: int) -> bool:
-        """Index ``block`` under ``key``; False (nothing changed) if the key is taken."""
-        slots = self._slots
-        keys = self._keys
-        mask = self._mask
-        i = int.from_bytes(key, "little") & mask
-        while True:
-            b = slots[i]
-            if b == _EMPTY:
-                break
-            if keys[b * KEY_BYTES:(b + 1) * KEY_BYTES] == key:
-                return False
-            i = (i + 1) & mask
+    def insert(self, block: int, key: bytes, chunk: bytes, parent: int, ns_id: int,
+               serial: int = 0) -> bool:
+        """Index ``block`` under ``key`` as the child of ``parent`` (an indexed block, or
+        NO_PARENT); False (nothing changed) if the key is taken or the parent is not indexed
+        (the chain is broken: a child must never vouch for a prefix that left the index).
+
+        ``serial``: the entry's serial when it already has one (its bytes come back from a
+        lower tier); 0 mints a new one."""
+        if parent >= 0 and not self.ns[parent]:
+            return False
+        if not self.keys.insert(block, key):
+            return False
         self._reserve(block)
-        slots[i] = block
-        keys[block * KEY_BYTES:(block + 1) * KEY_BYTES] = key
         step = self.chunk_bytes
         self._tokens[block * step:(block + 1) * step] = chunk
-        self._count += 1
         self.parent[block] = parent
         self._linked[block] = parent >= 0 and parent == block - 1
-        self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
-        self.parent_gen[block] = self.gen[parent] if parent >= 0 else 0
+        if not serial:
+            serial = self.next_serial
+            self.next_serial = next_serial(serial)
+        self.serial[block] = serial
+        self.parent_serial[block] = self.serial[parent] if parent >= 0 else 0
         self.ns[block] = ns_id
         return True
 
@@ -393,32 +369,13 @@ class PrefixIndex:
         ns_id = self.ns[block]
         if not ns_id:
             raise Internal(f"block {block} is not indexed")
-        slots = self._slots
-        keys = self._keys
-        mask = self._mask
-        i = self._home(keys[block * KEY_BYTES:(block + 1) * KEY_BYTES])
-        while slots[i] != block:
-            if slots[i] == _EMPTY:
-                raise Internal(f"block {block} is missing from the key table")
-            i = (i + 1) & mask
-        # Backward-shift deletion: move later entries of the probe run into the hole unless
-        # their home slot lies cyclically in (hole, their slot].
-        j = i
-        while True:
-            j = (j + 1) & mask
-            c = slots[j]
-            if c == _EMPTY:
-                break
-            home = int.from_bytes(keys[c * KEY_BYTES:(c + 1) * KEY_BYTES], "little") & mask
-            if (j - home) & mask >= (j - i) & mask:
-                slots[i] = c
-                i = j
-        slots[i] = _EMPTY
-        self._count -= 1
+        if not self.keys.remove(block):
+            raise Internal(f"block {block} is missing from the key table")
         self.parent[block] = NO_PARENT
         self._linked[block] = 0
-        # A new incarnation: children indexed after the old one no longer chain to it.
-        self.gen[block] = (self.gen[block] + 1) & _GEN_MASK
+        # A new incarnation: children indexed after this one no longer chain to the block.
+        self.serial[block] = 0
+        self.parent_serial[block] = 0
         self.ns[block] = 0
         return ns_id
 
@@ -426,10 +383,10 @@ class PrefixIndex:
         """Whether ``block`` was indexed after exactly this incarnation of ``parent``."""
         if self.parent[block] != parent:
             return False
-        return parent < 0 or self.parent_gen[block] == self.gen[parent]
+        return parent < 0 or self.parent_serial[block] == self.serial[parent]
 
     def __len__(self) -> int:
-        return self._count
+        return len(self.keys)
 
     # -- read views (invariant checks, snapshots, tests; not the hot paths) --------------------
 

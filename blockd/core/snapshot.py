@@ -4,7 +4,7 @@ A snapshot must restore a manager that behaves *exactly* like the one it was tak
 daemon's crash recovery loads the last snapshot and replays the journal written after it, and
 replay only reproduces the same block ids, hits and answers if every ordering the manager
 depends on (the free stack, the LRU lists and stamps, dict insertion orders, namespace id
-recycling, block generations) is restored bit for bit. Pickle preserves all of these, including
+recycling, entry serials) is restored bit for bit. Pickle preserves all of these, including
 shared references (a sequence and its pending commit batch share one chain list; sequences
 share namespace objects).
 
@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 
 #: Bumped whenever the pickled layout changes (module paths, room classes, fields). A reader
 #: that finds another version must not unpickle it: the runtime starts a new epoch instead.
-#: 4: TenantPolicy.isolation (issue 14).
-FORMAT_VERSION = 4
+#: 4: TenantPolicy.isolation (issue 14). 5: entry serials instead of block generations, the
+#: key table as its own object (issue 25).
+FORMAT_VERSION = 5
 
 
 def dump(manager: BlockManager) -> bytes:
@@ -125,8 +126,8 @@ def _prefix_of(m: BlockManager, seq: Sequence, pending: dict[int, bytes]) -> byt
         # or a pending commit says b holds is what this sequence computed there.
         chunk = tokens[b] if key[b] is not None else pending.get(b)
         if chunk is None and b in dup:
-            twin, gen = dup[b]
-            if key[twin] is not None and index.gen[twin] == gen:
+            twin, serial = dup[b]
+            if key[twin] is not None and index.serial[twin] == serial:
                 chunk = tokens[twin]
         if chunk is None:
             return None

@@ -1,5 +1,5 @@
 """Deliberately weak key hashes for the core tests: they collide on purpose, so that only the
-manager's verification (stored tokens, parent and its generation, namespace) keeps K/V apart.
+manager's verification (stored tokens, parent and its serial, namespace) keeps K/V apart.
 Each mimics the interface the BlockManager's ``hasher_factory`` expects: ``f(seed)`` returning an
 object with ``update``, ``digest`` (16 bytes) and ``copy``.
 """

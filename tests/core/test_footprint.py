@@ -19,8 +19,8 @@ from helpers import SCOPE
 
 from blockd.core import BlockManager, PoolSpec, TenantPolicy
 from blockd.core.blocks import BYTES_PER_BLOCK as ALLOC_BYTES
+from blockd.core.key_table import KEY_BYTES
 from blockd.core.prefix_index import BYTES_PER_BLOCK as INDEX_BYTES
-from blockd.core.prefix_index import KEY_BYTES
 
 N = 1_000_000
 LIMIT = 64
