@@ -156,6 +156,12 @@ class Admission:
         self.counters.allocated_blocks += n
         return ids
 
+    def unscrub(self, blocks: Seq[int]) -> None:
+        """``blocks`` were just overwritten whole (loaded from a lower tier): no zeroing."""
+        if self._scrub:
+            drop = set(blocks)
+            self._scrub = [b for b in self._scrub if b not in drop]
+
     def take_scrubbed(self) -> list[int]:
         """Blocks that must be zeroed before the worker uses them (drained by the runtime)."""
         out, self._scrub = self._scrub, []

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from blockd.core.blocks import CACHED, COMMITTED, FREE, BlockArrays
 from blockd.core.errors import Internal
 from blockd.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventSink
-from blockd.core.namespace import Namespace, NamespaceTable
+from blockd.core.namespace import NamespaceTable, namespace_label
 from blockd.core.prefix_index import NO_PARENT, PINNED, STALE, PrefixIndex
 from blockd.core.results import Counters
 from blockd.core.sequence import Sequence
+from blockd.core.tiering import Tiering
 
 
 @dataclass(slots=True)
@@ -51,11 +52,6 @@ class CommitBatch:
 
 
 
-def namespace_label(ns: Namespace) -> str:
-    """How events name a namespace: a prefix of its keyed root hash, never its fields."""
-    return "ns-" + ns.root_key[:8].hex()
-
-
 class PrefixCache:
     """The index, the namespaces and the cached LRU, kept consistent. Owned by the manager."""
 
@@ -67,6 +63,8 @@ class PrefixCache:
         self.counters = counters
         #: Where index changes are reported; not part of a snapshot (see ``__getstate__``).
         self.events = events
+        #: The lower tiers evicted prefixes spill into (set by the manager; None: none).
+        self.tiers: Tiering | None = None
         #: Committed blocks whose content was already indexed in another block: block ->
         #: (that block, its serial). Holds only such duplicates, and only while allocated.
         self.dup: dict[int, tuple[int, int]] = {}
@@ -75,6 +73,23 @@ class PrefixCache:
         state = self.__dict__.copy()
         state["events"] = None  # a callback into the runtime; ``snapshot.load`` sets it again
         return state
+
+    def load_into(self, blocks: Seq[int], entries: Seq[tuple[bytes, bytes, int, int]],
+                  parent: int) -> None:
+        """Index pool ``blocks`` (held by the admitting sequence, COMMITTED) whose bytes were
+        just loaded from a lower tier: ``entries`` are their (key, token ids, namespace id,
+        serial), the first block chains to pool block ``parent`` (or NO_PARENT)."""
+        index = self.index
+        state = self.blocks.state
+        emit = self.events
+        for b, (key, chunk, ns_id, serial) in zip(blocks, entries, strict=True):
+            state[b] = COMMITTED
+            if not index.insert(b, key, chunk, parent, ns_id, serial):
+                raise Internal(f"a loaded block {b} could not be indexed")
+            self.namespaces.incref(self.namespaces.get(ns_id))
+            if emit is not None:
+                emit(self._stored(b))
+            parent = b
 
     # -- commits ------------------------------------------------------------------------------
 
@@ -195,6 +210,10 @@ class PrefixCache:
         """Free ``n`` cached blocks, least recently used first (of ``tenant``, or of anyone)."""
         blocks = self.blocks
         victims = blocks.evict_oldest(n, tenant)
+        tiers = self.tiers
+        if tiers is not None and tiers.enabled:
+            for b in victims:
+                tiers.spill(b)  # before its key and tokens leave the index
         if self.events is None:
             # ``unindex`` without the key lookup that only its event needs.
             remove = self.index.remove
@@ -220,10 +239,11 @@ class PrefixCache:
     # -- flushes and queries ------------------------------------------------------------------
 
     def flush(self, namespace_ids: set[int], owner_slot: int | None) -> int:
-        """Drop every indexed block of ``namespace_ids`` (allocated by ``owner_slot``, if given).
+        """Drop every indexed block of ``namespace_ids`` (allocated by ``owner_slot``, if given),
+        in the pool and in every lower tier.
 
         Cached blocks become FREE; blocks still referenced (or pending) stay with their
-        sequences but are never hit again. Returns how many blocks left the index.
+        sequences but are never hit again. Returns how many entries left the index.
         """
         owner = self.blocks.owner
         ns_arr = self.index.ns
@@ -239,12 +259,15 @@ class PrefixCache:
                 blocks.give_back(b)
             else:
                 self.unindex(b)
-        if victims and self.events is not None and len(self.index) == 0:
+        lower = self.tiers.flush(namespace_ids, owner_slot) if self.tiers is not None else 0
+        if ((victims or lower) and self.events is not None and len(self.index) == 0
+                and (self.tiers is None or len(self.tiers) == 0)):
             self.events(AllBlocksCleared())
-        return len(victims)
+        return len(victims) + lower
 
     def indexed_events(self) -> list[BlockStored]:
-        """A ``BlockStored`` for every indexed block, each after its parent."""
+        """A ``BlockStored`` for every indexed block, each after its parent, then every lower
+        tier's entries."""
         index = self.index
         out: list[BlockStored] = []
         seen: set[int] = set()
@@ -255,6 +278,8 @@ class PrefixCache:
                 seen.add(b)
                 b = index.parent[b]
             out.extend(self._stored(c) for c in reversed(chain))
+        if self.tiers is not None:
+            out.extend(self.tiers.indexed_events())
         return out
 
     def _stored(self, b: int) -> BlockStored:

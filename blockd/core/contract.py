@@ -36,6 +36,7 @@ from blockd.core.results import (
     SequenceSummary,
     SessionView,
     TenantUsage,
+    TierUsage,
 )
 from blockd.core.tenants import TenantPolicy
 
@@ -147,6 +148,15 @@ class KVManager(Protocol):
 
     @property
     def num_indexed(self) -> int: ...
+
+    def tier_usage(self) -> list[TierUsage]:
+        """Every lower tier of every partition: slots, used, by tenant."""
+        ...
+
+    @property
+    def num_lower(self) -> int:
+        """Entries on the lower tiers (every partition's)."""
+        ...
 
     def tail_waste_tokens(self) -> int: ...
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections import Counter
 from collections.abc import Collection, Iterable
 from collections.abc import Sequence as Seq
 
@@ -41,9 +42,12 @@ from blockd.core.results import (
     SequenceSummary,
     SessionView,
     TenantUsage,
+    TierUsage,
 )
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import SHARED_PARTITION, TenantPolicy, partition_layout
+from blockd.core.tier_io import TierIO
+from blockd.core.tiering import TierLimits
 
 __all__ = ["PartitionCoordinator"]
 
@@ -57,14 +61,19 @@ class PartitionCoordinator:
     def __init__(self, spec: PoolSpec, policies: Iterable[TenantPolicy], *,
                  enable_prefix_cache: bool = True, scrub_always: bool = False,
                  ids: SequenceIds | None = None, preemption: str = "priority",
+                 tiers: TierLimits | None = None,
                  managers: dict[str, BlockManager] | None = None) -> None:
         policies = list(policies)
         self.spec = spec
         self.block_size = spec.block_size
         self.layout = partition_layout(policies, spec.num_blocks)
+        #: Each partition's lower tiers: the configured ones for the shared partition, and for
+        #: a dedicated one tiers of its own sized from its members' quotas (``partition_tiers``).
+        self.tiers = partition_tiers(policies, tiers or TierLimits(), spec.slot_bytes)
         self._tenant_partition = {p.tenant_id: p.partition for p in policies}
         if managers is not None:  # restored: the layout and tenants the snapshot had
             self.layout = {name: m.num_blocks for name, m in managers.items()}
+            self.tiers = {name: m.tiers.limits for name, m in managers.items()}
             self._tenant_partition = {t: name for name, m in managers.items()
                                       for t in m.tenant_policies()}
         #: Each partition's pool shape (the configured one with the partition's num_blocks).
@@ -75,7 +84,7 @@ class PartitionCoordinator:
             managers = {name: BlockManager(self.specs[name], _members(policies, name),
                                            enable_prefix_cache=enable_prefix_cache,
                                            scrub_always=scrub_always, ids=ids,
-                                           preemption=preemption)
+                                           preemption=preemption, tiers=self.tiers[name])
                         for name in self.layout}
         if set(managers) != set(self.layout):
             raise Internal(f"partitions {sorted(managers)} do not match the layout "
@@ -129,6 +138,10 @@ class PartitionCoordinator:
         for m in self.managers.values():
             m.set_ids(ids)
 
+    def set_tier_io(self, partition: str, io: TierIO | None) -> None:
+        """What moves the bytes of one partition's lower tiers (its own pool's and slots')."""
+        self.managers[partition].set_tier_io(io)
+
     def reconfigure(self, *, enable_prefix_cache: bool, scrub_always: bool,
                     preemption: str) -> None:
         for m in self.managers.values():
@@ -144,6 +157,15 @@ class PartitionCoordinator:
                 f"the dedicated partitions would change from {_describe(self.layout)} to "
                 f"{_describe(layout)}: partitions are fixed while the daemon runs (restart it "
                 "with the new tenants file: a new epoch)", field="isolation")
+        shared = self.tiers[SHARED_PARTITION]
+        tiers = partition_tiers(policies, shared, self.spec.slot_bytes)
+        if tiers != self.tiers:
+            changed = sorted(n for n in tiers if tiers[n] != self.tiers.get(n))
+            raise InvalidArgument(
+                f"the lower tiers of partitions {changed} would change size: a dedicated "
+                "partition's host and disk tiers are sized from its members' host_quota_bytes "
+                "and disk_quota_bytes and fixed while the daemon runs (restart it)",
+                field="host_quota_bytes")
         for p in policies:
             was = self._tenant_partition.get(p.tenant_id)
             if was is not None and was != p.partition:
@@ -299,8 +321,9 @@ class PartitionCoordinator:
         for m in self.managers.values():
             c = m.counters
             for f in dataclasses.fields(Counters):
-                if f.name in ("alloc_failures", "preemptions"):
-                    getattr(total, f.name).update(getattr(c, f.name))
+                value = getattr(c, f.name)
+                if isinstance(value, Counter):
+                    getattr(total, f.name).update(value)
                 else:
                     setattr(total, f.name, getattr(total, f.name) + getattr(c, f.name))
         return total
@@ -312,6 +335,13 @@ class PartitionCoordinator:
     @property
     def num_indexed(self) -> int:
         return sum(m.num_indexed for m in self.managers.values())
+
+    def tier_usage(self) -> list[TierUsage]:
+        return [u for m in self.managers.values() for u in m.tier_usage()]
+
+    @property
+    def num_lower(self) -> int:
+        return sum(m.num_lower for m in self.managers.values())
 
     def tail_waste_tokens(self) -> int:
         return sum(m.tail_waste_tokens() for m in self.managers.values())
@@ -336,6 +366,26 @@ class PartitionCoordinator:
         under (a tenants file changed meanwhile is then applied as a reload)."""
         managers = {name: snapshot.load(raw, events=None, ids=ids) for name, raw in data.items()}
         return cls(spec, (), ids=ids, managers=managers)
+
+
+def partition_tiers(policies: Iterable[TenantPolicy], shared: TierLimits, block_bytes: int
+                    ) -> dict[str, TierLimits]:
+    """Partition name -> its lower tiers. The shared partition has ``shared``; a dedicated
+    one tiers of its own holding the sum of its members' ``host_quota_bytes`` and
+    ``disk_quota_bytes`` (in whole slots; none where they give none), with the same per-Step
+    copy bounds, and a disk tier only where the shared one has one (its file is beside it)."""
+    sizes: dict[str, list[int]] = {}
+    for p in policies:
+        if p.partition != SHARED_PARTITION:
+            host, disk = sizes.setdefault(p.partition, [0, 0])
+            sizes[p.partition] = [host + (p.host_quota_bytes or 0),
+                                  disk + (p.disk_quota_bytes or 0)]
+    out = {SHARED_PARTITION: shared}
+    for name, (host, disk) in sizes.items():
+        out[name] = dataclasses.replace(
+            shared, host_slots=host // block_bytes if shared.host_slots else 0,
+            disk_slots=disk // block_bytes if shared.disk_slots else 0)
+    return out
 
 
 def _members(policies: Iterable[TenantPolicy], partition: str) -> list[TenantPolicy]:

@@ -13,6 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+#: Where the bytes of an event's block are: the pool, or a lower tier
+#: (``blockd.core.lower_tiers``: ``"host"``, ``"disk"``). The runtime names them in vLLM's
+#: media (``GPU``/``CPU`` for the pool by its backend, ``CPU``, ``STORAGE``).
+POOL = "pool"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
@@ -31,11 +36,13 @@ class BlockStored:
     lora_id: str
     #: ``private:<tenant>``, ``group:<name>`` or ``public`` (see ``blockd.core.tenants``).
     sharing_domain: str
+    #: ``POOL`` (``block`` is a pool block id) or a lower tier (``block`` is its slot id).
+    tier: str = POOL
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """A block left the prefix index (evicted or flushed).
+    """A block left the prefix index (evicted or flushed), or a lower tier's slot its entry.
 
     It names its namespace and sharing domain as its ``BlockStored`` did, so that a consumer
     shows the removal to exactly the audience that saw the block stored: block ids repeat
@@ -46,6 +53,7 @@ class BlockRemoved:
     key: bytes
     namespace_label: str
     sharing_domain: str
+    tier: str = POOL
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ def check_invariants(m: BlockManager) -> None:
     refs, pends = _check_tables_and_fences(m)
     _check_blocks(m, refs, pends)
     _check_writes_and_quotas(m)
+    m.tiers.check()
 
 
 def _check_tables_and_fences(m: BlockManager) -> tuple[Counter[int], Counter[int]]:

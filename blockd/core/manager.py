@@ -8,6 +8,7 @@ It composes the rooms below it and is all that callers above the core talk to:
 * ``admission`` (``Admission``): the fit check and the allocation of new blocks;
 * ``fences`` (``FenceLedger``): sessions' fences and the releases and commits waiting on them;
 * ``victims`` (``VictimChooser``): who gives way when the pool is exhausted;
+* ``tiers`` (``Tiering``): where evicted prefixes go below the pool, and loads back;
 * ``ids`` (``SequenceIds``): the injected sequence-id minter.
 
 Every operation is check-then-commit: it validates everything and works out whether it fits
@@ -22,11 +23,11 @@ The manager is not thread-safe: the daemon calls it from one event loop.
 from __future__ import annotations
 
 import secrets
-from array import array
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 from blockd.core.admission import Admission
+from blockd.core.admit import admit
 from blockd.core.blocks import COMMITTED, WRITING, BlockArrays
 from blockd.core.caching import PrefixCache
 from blockd.core.errors import InvalidArgument, PermissionDenied
@@ -41,6 +42,8 @@ from blockd.core.results import AdmitResult, AppendResult, BatchAppend, CopyOp, 
 from blockd.core.sequence import Sequence, TailWaste, as_token_bytes
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import TenantPolicy, TenantTable
+from blockd.core.tier_io import TierIO
+from blockd.core.tiering import Tiering, TierLimits
 
 #: Most children one fork may create.
 MAX_FORK = 64
@@ -63,6 +66,7 @@ class BlockManager(CoreQueries):
         events: EventSink | None = None,
         ids: SequenceIds | None = None,
         preemption: str = "priority",
+        tiers: TierLimits | None = None,
     ) -> None:
         self.preempt = preemption_on(preemption)
         self.spec = spec
@@ -77,6 +81,12 @@ class BlockManager(CoreQueries):
         self.index = PrefixIndex(spec.num_blocks, spec.block_size, self.seed, hasher_factory)
         self.namespaces = NamespaceTable(self.seed)
         self.cache = PrefixCache(self.blocks, self.index, self.namespaces, self.counters, events)
+        #: The lower tiers evicted prefixes spill into (none without ``tiers``); their bytes
+        #: move through the ``TierIO`` the runtime injects (``set_tier_io``).
+        self.tiers = Tiering(tiers or TierLimits(), self.index, self.blocks, self.namespaces,
+                             self.tenants, self.counters, spec.slot_bytes)
+        self.tiers.events = events
+        self.cache.tiers = self.tiers
         self.admission = Admission(self.blocks, self.tenants, self.cache, self.counters,
                                    scrub_always)
         self.fences = FenceLedger(self.blocks, self.cache)
@@ -97,6 +107,12 @@ class BlockManager(CoreQueries):
     def set_event_sink(self, events: EventSink | None) -> None:
         """Where index changes are reported from now on (None: nowhere)."""
         self.cache.events = events
+        self.tiers.events = events
+
+    def set_tier_io(self, io: TierIO | None) -> None:
+        """What moves the lower tiers' bytes from now on (None: evicted prefixes are dropped
+        and lower entries are not hit; a snapshot never carries it)."""
+        self.tiers.io = io
 
     def set_ids(self, ids: SequenceIds) -> None:
         self.ids = ids
@@ -116,6 +132,7 @@ class BlockManager(CoreQueries):
         self.namespaces.forget_requests()
         self.blocks.ensure_tenants(len(self.tenants))
         self.admission.tenants_changed()
+        self.tiers.tenants_changed()
         gone = {f"private:{t}" for t in before if t not in self.tenants}
         return self.cache.flush(self.namespaces.matching(None, None, None, gone), None)
 
@@ -167,76 +184,24 @@ class BlockManager(CoreQueries):
         """
         self.fences.begin_step(self._session(session_id), fence, completed_fence)
         self.victims.begin_step()
+        self.tiers.begin_step()
 
     # -- the Step operations ------------------------------------------------------------------
 
     def admit(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int], *,
               cache: bool = True, priority: int = 0) -> AdmitResult | DoesNotFit:
-        """Start a sequence for a prompt, reusing every verified cached prefix block.
+        """Start a sequence for a prompt, reusing every verified cached prefix block, from the
+        pool or loaded from a lower tier (``blockd.core.admit``).
 
         Allocates the blocks for the uncached rest of the prompt (WRITING). The worker
         computes K/V for tokens ``num_cached_tokens..`` and later commits the full blocks.
         """
         session = self._session(session_id)
         raw = as_token_bytes(tokens, "token_ids")
-        length = len(raw) // 4
-        if length == 0:
+        if not raw:
             raise InvalidArgument("a prompt needs at least one token", field="token_ids")
         ns = self._namespace(scope, session.tenant)
-        cache = cache and self.enable_prefix_cache
-        B = self.block_size
-        hits: list[int] = []
-        if cache:
-            # Leave at least one token to compute: the worker needs the last token's logits.
-            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // B, session.pending)
-        need = -(-length // B) - len(hits)
-        verdict = (self.admission.limits(session.tenant, 1, need + len(hits), B)
-                   or self.admission.fits(session.tenant, need, hits))
-        held = False
-        if verdict is not None and verdict.reason == "pool" and self.preempt:
-            # A victim may hold the last other reference to this namespace: keep it alive.
-            self.namespaces.incref(ns)
-            held = True
-            requester = self.victims.requester(session.tenant, priority)
-            verdict = self.victims.make_room(self.admission.fits, self._preempted,
-                                             session.tenant, requester, need, hits, None, verdict)
-        if verdict is not None:
-            if held:
-                self.namespaces.decref(ns)
-            else:
-                self.namespaces.release_if_unused(ns)
-            self.counters.alloc_failures[verdict.reason] += 1
-            return verdict
-        # -- commit point: nothing above changed any state (but preemptions) --
-        # The sequence's namespace reference is taken before allocating: an eviction may drop
-        # the last other reference to this very namespace, whose id would then be recycled.
-        self.namespaces.incref(ns)
-        if held:
-            self.namespaces.decref(ns)  # the sequence's reference keeps it
-        self.cache.touch(hits)
-        new = self.admission.allocate(session.tenant, need)
-        stream = None
-        if cache:
-            # Positioned after the hit blocks: later commits hash only what follows them.
-            stream = self.index.new_stream(ns.root_key)
-            stream.update(memoryview(raw)[: len(hits) * self.index.chunk_bytes])
-        seq = Sequence(self.ids.new(), session.id, session.tenant, ns, stream, cache, priority)
-        seq.table = array("i", hits)
-        seq.table.extend(new)
-        seq.num_committed = len(hits)
-        if cache:
-            seq.chain = hits.copy()
-            # The sequence keeps only what later commits need: tokens from the first
-            # uncommitted block on.
-            seq.tokens = bytearray(raw[len(hits) * self.index.chunk_bytes:])
-        seq.num_tokens = length
-        self.tail.tokens += len(seq.table) * B - length
-        self.sequences[seq.id] = seq
-        session.num_sequences += 1
-        self.admission.charge(seq.tenant, 1, len(seq.table), B)
-        self.counters.queried_tokens += length
-        self.counters.hit_tokens += len(hits) * B
-        return AdmitResult(seq.id, len(hits) * B, seq.table.tolist(), length)
+        return admit(self, session, ns, raw, cache and self.enable_prefix_cache, priority)
 
     def append(self, session_id: str, seq_id: str, tokens: bytes | Seq[int],
                fence: int = 0) -> AppendResult | DoesNotFit:
@@ -364,7 +329,7 @@ class BlockManager(CoreQueries):
             verdict = (self.admission.limits(seq.tenant, 0, need - cow, B)
                        or self.admission.fits(seq.tenant, need, ()))
             if verdict is not None and verdict.reason == "pool" and self.preempt:
-                verdict = self.victims.make_room(self.admission.fits, self._preempted, seq.tenant,
+                verdict = self.victims.make_room(self.admission.fits, self.on_preempted, seq.tenant,
                                                  self.victims.priority_of(seq), need, (), seq.id,
                                                  verdict)
             if verdict is not None:
@@ -480,7 +445,7 @@ class BlockManager(CoreQueries):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _preempted(self, seq: Sequence) -> None:
+    def on_preempted(self, seq: Sequence) -> None:
         """A preemption victim: released like its own worker's fence-0 ReleaseOp, noticed."""
         session = self.sessions[seq.session]
         self._release(session, seq, session.issued)

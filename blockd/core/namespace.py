@@ -81,6 +81,11 @@ class Namespace:
         self.refs = 0
 
 
+def namespace_label(ns: Namespace) -> str:
+    """How events name a namespace: a prefix of its keyed root hash, never its fields."""
+    return "ns-" + ns.root_key[:8].hex()
+
+
 class NamespaceTable:
     """Interns namespaces and recycles their ids. Owned by the manager, used by caching."""
 

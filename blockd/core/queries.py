@@ -25,6 +25,7 @@ from blockd.core.results import (
     SequenceSummary,
     SessionView,
     TenantUsage,
+    TierUsage,
 )
 from blockd.core.sequence import Sequence, TailWaste, as_token_bytes
 from blockd.core.tenants import TenantPolicy, TenantTable
@@ -32,6 +33,7 @@ from blockd.core.tenants import TenantPolicy, TenantTable
 if TYPE_CHECKING:
     from blockd.core.caching import PrefixCache
     from blockd.core.prefix_index import PrefixIndex
+    from blockd.core.tiering import Tiering
 
 
 def positions(seq: Sequence, block_size: int, start: int, count: int | None
@@ -88,6 +90,7 @@ class CoreQueries:
     counters: Counters
     cache: PrefixCache
     index: PrefixIndex
+    tiers: Tiering
     sessions: dict[str, Session]
     sequences: dict[str, Sequence]
     tail: TailWaste
@@ -121,7 +124,8 @@ class CoreQueries:
 
     def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
         """Tokens of a prompt whose K/V is cached and visible to this session's tenant (or
-        committed by this session under a fence not yet complete: its own admissions hit it).
+        committed by this session under a fence not yet complete: its own admissions hit it),
+        in the pool or on a lower tier (an admit would load those).
 
         Allocates nothing and does not touch the LRU. Capped like ``admit``: a multiple of the
         block size, less than the prompt length.
@@ -133,9 +137,18 @@ class CoreQueries:
             return 0
         ns = self._namespace(scope, session.tenant)
         try:
-            hits = self.index.match(ns.id, ns.root_key, raw, (length - 1) // self.block_size,
-                                    session.pending)
-            return len(hits) * self.block_size
+            max_hit = (length - 1) // self.block_size
+            hits = self.index.match(ns.id, ns.root_key, raw, max_hit, session.pending)
+            found = len(hits)
+            tiers = self.tiers
+            if found < max_hit and tiers.enabled:
+                last = self.index.serial[hits[-1]] if hits else 0
+                # What an admit would load, within one Step's load budget.
+                below = tiers.match(ns.id, ns.root_key, raw, found,
+                                    min(max_hit, found + tiers.limits.max_load_blocks), last,
+                                    budget=False)
+                found += len(below)
+            return found * self.block_size
         finally:
             self.namespaces.release_if_unused(ns)
 
@@ -216,6 +229,15 @@ class CoreQueries:
     def num_indexed(self) -> int:
         """Blocks in the prefix index."""
         return len(self.index)
+
+    def tier_usage(self) -> list[TierUsage]:
+        """Every lower tier's slots and who holds them (none without lower tiers)."""
+        return self.tiers.usage()
+
+    @property
+    def num_lower(self) -> int:
+        """Entries on the lower tiers."""
+        return len(self.tiers)
 
     def tail_waste_tokens(self) -> int:
         """Unused token slots in the last blocks of live sequences (a running total: O(1))."""

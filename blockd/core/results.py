@@ -99,6 +99,23 @@ class Counters:
     alloc_failures: Counter[str] = field(default_factory=Counter)
     #: Sequences preempted for a higher-priority request, by the victim's tenant id.
     preemptions: Counter[str] = field(default_factory=Counter)
+    #: Prompt tokens admits found on each lower tier (loaded), by tier name.
+    tier_hit_tokens: Counter[str] = field(default_factory=Counter)
+    #: Blocks copied into each lower tier (spills into the top one, demotions below), by tier.
+    tier_stored_blocks: Counter[str] = field(default_factory=Counter)
+    #: Blocks loaded from each lower tier into the pool, by tier.
+    tier_loaded_blocks: Counter[str] = field(default_factory=Counter)
+    #: Loads whose slot failed its check or could not be read (a miss), by tier.
+    tier_load_failures: Counter[str] = field(default_factory=Counter)
+    #: Entries each lower tier evicted (demoted or dropped), by tier.
+    tier_evictions: Counter[str] = field(default_factory=Counter)
+    #: Evicted pool prefixes not kept below, by why (``budget``, ``no_room``, ``duplicate``).
+    tier_spill_skipped: Counter[str] = field(default_factory=Counter)
+    #: Lower hits computed instead of loaded, by why: ``budget`` (the Step's load budget was
+    #: spent: counted once per admit it cut short) or ``after_failure`` (behind a failed load).
+    tier_loads_skipped: Counter[str] = field(default_factory=Counter)
+    #: Slot writes that failed (``<tier>_write``).
+    tier_errors: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +153,19 @@ class TenantUsage:
     priority: int
     #: Its sequences preempted so far (monotonic).
     preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """One lower tier of one manager (partition): its slots and who holds them."""
+
+    tier: str
+    num_slots: int
+    used_slots: int
+    #: Bytes of one slot (one block across every plane and shard).
+    slot_bytes: int
+    #: Used slots by tenant id (tenants holding none are left out).
+    by_tenant: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)

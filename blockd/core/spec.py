@@ -67,6 +67,11 @@ class PoolSpec:
         return wire.block_bytes(self)
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes of one block in every shard: what a lower tier's slot holds of it."""
+        return wire.block_bytes(self) * self.tp_size
+
+    @property
     def pool_bytes(self) -> int:
         """Bytes of one shard's pool (every shard holds this much)."""
         return wire.pool_bytes(self, self.num_blocks)

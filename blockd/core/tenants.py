@@ -111,6 +111,11 @@ class TenantPolicy:
     max_request_priority: int = 0
     #: Shared region or a dedicated partition (``Isolation``).
     isolation: Isolation = Isolation.SHARED
+    #: Most bytes of the host tier the tenant's prefixes may hold (None: the whole tier; for a
+    #: dedicated partition, also its host tier's size: None or 0 gives it none).
+    host_quota_bytes: int | None = None
+    #: The same for the disk tier.
+    disk_quota_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.tenant_id):
@@ -138,6 +143,11 @@ class TenantPolicy:
                 f"max_metadata_bytes must be at least {index + SEQUENCE_BYTES} (the quota's "
                 f"index cost, {INDEXED_BLOCK_BYTES} per block, plus one sequence)",
                 field="max_metadata_bytes")
+        for name in ("host_quota_bytes", "disk_quota_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise InvalidArgument(f"{name} must be an integer >= 0", field=name)
         if not -2**31 <= self.max_request_priority < 2**31:
             raise InvalidArgument("max_request_priority must be an int32",
                                   field="max_request_priority")

@@ -17,6 +17,8 @@ tenants:
     max_pending_fences: 8192  # releases/commits one session has waiting for fences
     max_metadata_bytes: 268435456  # default: 256 MiB + 128 bytes per quota block
     max_request_priority: 0  # AdmitOp.priority counts at most this against other tenants
+    host_quota_bytes: 1073741824  # optional: most bytes of the host tier (default: all of it;
+    disk_quota_bytes: 8589934592  # for a dedicated tenant also its own tier's size, default 0)
     # Optional: this tenant's own work budget (default: tenants.work_units_per_second and
     # tenants.work_units_burst of the daemon's config; 0 units per second: no budget)
     work_units_per_second: 1000000
@@ -199,7 +201,7 @@ def parse(data: Mapping[str, Any], source: str = "tenants file") -> TenantsFile:
 
 #: The optional limit keys of a tenant (``TenantPolicy`` fields of the same names).
 _LIMITS = ("max_sequences", "max_sessions", "max_pending_fences", "max_metadata_bytes",
-           "max_request_priority")
+           "max_request_priority", "host_quota_bytes", "disk_quota_bytes")
 
 
 #: A tenant's own work budget keys (``blockd.runtime.budgets``).

@@ -41,7 +41,7 @@ def state_of(m: BlockManager) -> object:
     return tuple((name, canonical(value)) for name, value in (
         ("blocks", m.blocks), ("index", m.index), ("namespaces", m.namespaces._by_id),
         ("sessions", m.sessions), ("sequences", m.sequences), ("dup", m.cache.dup),
-        ("scrub", m.admission._scrub), ("tenants", m.tenants),
+        ("scrub", m.admission._scrub), ("tenants", m.tenants), ("lower", m.tiers.lower),
         ("settings", (m.enable_prefix_cache, m.preempt, m.admission.scrub_always, m.seed)),
     ))
 
