@@ -26,6 +26,7 @@ from blockd.core.spec import PoolSpec
 from blockd.handles_config import HandlesConfig
 from blockd.options import Setting, option
 from blockd.paths import default_handle_socket, default_unix_socket, runtime_dir  # noqa: F401 (re-exported)
+from blockd.tiers_config import TiersConfig
 
 ENV_PREFIX = "BLOCKD_"
 #: ``BLOCKD_*`` variables that are not the daemon's configuration but blockctl's and
@@ -431,6 +432,10 @@ class Config:
     state: StateConfig = field(default_factory=StateConfig)
     log: LogConfig = field(default_factory=LogConfig)
     handles: HandlesConfig = field(default_factory=HandlesConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+
+    def __post_init__(self) -> None:
+        self.tiers.check_pool(self.pool.spec().slot_bytes, self.pool.backend)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -203,11 +203,11 @@ def test_core_imports_nothing_above_it() -> None:
 #: What a caller above the core may read of a manager: the members of the one contract.
 MANAGER_API = {name for name in vars(KVManager) if not name.startswith("_")}
 #: What a caller may read of the partition coordinator besides: its layout, its partitions'
-#: shapes, routing by tenant or session, reload checks and snapshots (never a partition's
-#: ``BlockManager``).
+#: shapes and lower tiers, routing by tenant or session, reload checks, each partition's
+#: ``TierIO`` and snapshots (never a partition's ``BlockManager``).
 COORDINATOR_API = MANAGER_API | {"spec", "layout", "specs", "partition_of_tenant",
                                  "partition_of_session", "state_counts_of", "check_tenants", "dump",
-                                 "load"}
+                                 "load", "tiers", "set_tier_io"}
 #: Names the runtime, server and apps give a manager, and the coordinator.
 MANAGER_NAMES = {"manager", "m"}
 COORDINATOR_NAMES = {"partitions", "parts"}

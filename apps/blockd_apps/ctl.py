@@ -93,7 +93,18 @@ def cmd_stats(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any
            f"sessions {s.num_sessions}, sequences {s.num_sequences}",
            f"prefix cache: {s.prefix_hit_tokens_total}/{s.prefix_queried_tokens_total} tokens hit"
            f" ({rate:.1%}); evictions {s.evictions_total}; copy-on-write {s.cow_copies_total}"]
+    if s.tiers:
+        rows = [(t.tier, t.used_slots, t.num_slots, _mib(t.used_slots * t.slot_bytes),
+                 _mib(t.num_slots * t.slot_bytes), t.hit_tokens_total, t.stored_blocks_total,
+                 t.loaded_blocks_total, t.load_failures_total) for t in s.tiers]
+        out += ["", "tiers below the pool (evicted prefixes):",
+                _table(rows, ("tier", "used", "slots", "used MiB", "MiB", "hit tokens",
+                              "stored", "loaded", "bad loads"))]
     return "\n".join(out)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
 
 
 def cmd_tenants(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any) -> str:

@@ -337,7 +337,8 @@ class PartitionCoordinator:
         return sum(m.num_indexed for m in self.managers.values())
 
     def tier_usage(self) -> list[TierUsage]:
-        return [u for m in self.managers.values() for u in m.tier_usage()]
+        return [dataclasses.replace(u, partition=name) for name, m in self.managers.items()
+                for u in m.tier_usage()]
 
     @property
     def num_lower(self) -> int:

@@ -36,6 +36,13 @@ _NIL = -1
 _STAMP_MASK = 0xFFFFFFFF
 
 
+def bytes_per_slot(block_size: int) -> int:
+    """Memory the index takes per lower slot, whether used or not: key (16) and parent key (16),
+    token ids (4 per token), namespace, serial, parent serial, LRU links and stamp (4 each),
+    owner (2), pin (1), and the key table's 2 to 4 slots of 4 bytes."""
+    return 16 + 16 + 4 * block_size + 6 * 4 + 2 + 1 + 16
+
+
 @dataclass(frozen=True, slots=True)
 class TierShape:
     """One lower tier: its name (``HOST`` or ``DISK``) and how many block slots it has."""

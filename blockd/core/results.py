@@ -166,6 +166,8 @@ class TierUsage:
     slot_bytes: int
     #: Used slots by tenant id (tenants holding none are left out).
     by_tenant: dict[str, int]
+    #: The partition whose tier it is ("" from a single manager; the coordinator names it).
+    partition: str = ""
 
 
 @dataclass(frozen=True, slots=True)

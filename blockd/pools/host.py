@@ -22,6 +22,8 @@ import mmap
 import os
 from collections.abc import Iterable
 
+import numpy as np
+
 from blockd import wire
 from blockd.core.errors import ResourceExhausted
 from blockd.core.spec import PoolSpec
@@ -76,6 +78,9 @@ class HostPool:
             for off in range(0, self.size, mmap.PAGESIZE):
                 self.map[off] = 0
         self._zeros = b""
+        #: The region as ``[planes, num_blocks, run_bytes]`` bytes (``copy_out``/``copy_in``);
+        #: released in ``close`` before the mapping is (a view would keep it open).
+        self._blocks: np.ndarray | None = None
 
     def zero_blocks(self, blocks: Iterable[int]) -> None:
         """Scrub: overwrite every byte of each block with zeros (synchronous memset)."""
@@ -93,6 +98,27 @@ class HostPool:
         runs = self.planes.block_runs(block)[shard * per_shard:(shard + 1) * per_shard]
         return b"".join(self.map[o:o + n] for o, n in runs)
 
+    def _by_block(self) -> np.ndarray:
+        if self._blocks is None:
+            p = self.planes
+            self._blocks = np.frombuffer(self.map, dtype=np.uint8).reshape(
+                p.num_planes, p.num_blocks, p.run_bytes)
+        return self._blocks
+
+    def copy_out(self, block: int, out: memoryview) -> None:
+        """Every byte of ``block`` in every shard (``spec.slot_bytes``, runs in plane order)
+        into ``out``: a spill to a tier."""
+        p = self.planes
+        dst = np.frombuffer(out, dtype=np.uint8).reshape(p.num_planes, p.run_bytes)
+        np.copyto(dst, self._by_block()[:, block, :])
+
+    def copy_in(self, block: int, data: memoryview) -> None:
+        """Overwrite every byte of ``block`` in every shard with ``data`` (``copy_out``'s
+        layout): a load from a tier. The worker sees them once its answer says so."""
+        p = self.planes
+        src = np.frombuffer(data, dtype=np.uint8).reshape(p.num_planes, p.run_bytes)
+        self._by_block()[:, block, :] = src
+
     def block_runs(self, block: int) -> list[tuple[int, int]]:
         """(offset, length) of each contiguous run of ``block``'s bytes."""
         return self.planes.block_runs(block)
@@ -103,5 +129,6 @@ class HostPool:
         return header, [self.fd, fence_fd]
 
     def close(self) -> None:
+        self._blocks = None
         self.map.close()
         os.close(self.fd)

@@ -30,7 +30,7 @@ from blockd.core.results import (
 )
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import TenantPolicy
-from blockd.runtime.events import CLEARED, REMOVED, STORED, Event
+from blockd.runtime.events import CLEARED, REMOVED, STORED, Event, medium_of
 
 MAX_ID_BYTES = 128
 
@@ -220,7 +220,9 @@ def sequence_summary(s: SequenceSummary, worker_name: str) -> pb.SequenceSummary
 
 def watch_event(ev: Event, *, epoch: int, block_size: int, medium: str
                 ) -> pb.WatchEventsResponse:
+    """``medium``: the pool's; an event of a lower tier carries that tier's."""
     out = pb.WatchEventsResponse(sequence_number=ev.seq, epoch=epoch)
+    medium = medium_of(ev.tier, medium)
     if ev.kind == STORED:
         tokens = memoryview(ev.token_bytes).cast("I").tolist() if ev.token_bytes else []
         out.block_stored.CopyFrom(pb.BlockStored(

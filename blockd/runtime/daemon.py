@@ -25,11 +25,12 @@ from blockd import logs, wire
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config
 from blockd.core.contract import KVManager
-from blockd.core.coordinator import PartitionCoordinator
+from blockd.core.coordinator import PartitionCoordinator, partition_tiers
 from blockd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from blockd.core.events import AllBlocksCleared
 from blockd.core.ids import SequenceIds
 from blockd.core.tenants import SHARED_PARTITION, partition_layout
+from blockd.core.tiering import TierLimits
 from blockd.pools.base import Pool
 from blockd.runtime import convert, stats, step, tenants_file
 from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key
@@ -37,11 +38,11 @@ from blockd.runtime.events import EventLog
 from blockd.runtime.journal_records import FlushRecord, TenantsRecord
 from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.packed import PackedIds
-from blockd.runtime.pool_set import build_pools, close_pools
 from blockd.runtime.recovery import Recovery
 from blockd.runtime.sessions import Sessions
 from blockd.runtime.state_store import StateStore
 from blockd.runtime.step import StepLimits
+from blockd.runtime.storage import Storage, check_machine
 from blockd.runtime.tenants_file import Principal, TenantsFile
 
 log = logging.getLogger("blockd.daemon")
@@ -77,7 +78,12 @@ class Daemon:
                                  reserve_bytes=cfg.state.reserve_bytes)
         store = self.recovery.store
         layout = partition_layout(self.tenants.tenants, self.spec.num_blocks)
-        saved = self.recovery.load(self.spec, layout, ids=self.ids)
+        check_machine(cfg)  # before any tier is built (its index takes memory too)
+        host, disk, spills, loads = cfg.tiers.limits(self.spec.slot_bytes)
+        limits = TierLimits(host_slots=host, disk_slots=disk, max_spill_blocks=spills,
+                            max_load_blocks=loads)
+        tiers = partition_tiers(self.tenants.tenants, limits, self.spec.slot_bytes)
+        saved = self.recovery.load(self.spec, layout, tiers, ids=self.ids)
         #: One block manager per pool partition behind the manager's contract
         #: (``blockd.core.coordinator``).
         self.partitions: PartitionCoordinator
@@ -86,19 +92,19 @@ class Daemon:
             #: This incarnation of the pool (>= 1): block ids of another epoch mean nothing.
             self.epoch: int = saved.epoch
         else:
-            self.partitions = PartitionCoordinator(self.spec, self.tenants.tenants,
-                                         enable_prefix_cache=cfg.cache.enable_prefix_cache,
-                                         scrub_always=cfg.cache.scrub_always,
-                                         ids=self.ids, preemption=cfg.cache.preemption)
+            self.partitions = PartitionCoordinator(
+                self.spec, self.tenants.tenants, enable_prefix_cache=cfg.cache.enable_prefix_cache,
+                scrub_always=cfg.cache.scrub_always, ids=self.ids,
+                preemption=cfg.cache.preemption, tiers=limits)
             self.epoch = int.from_bytes(os.urandom(6), "little") | 1
         #: The same object, as the contract every call outside partition bookkeeping uses.
         self.manager: KVManager = self.partitions
-        #: Each partition's own pool (memfd or VMM allocation): a session's worker receives
-        #: only its partition's (``handle_for``).
-        self.pools: dict[str, Pool] = build_pools(
-            self.partitions.specs, cfg.pool.backend, prefault=cfg.pool.prefault,
-            state_dir=store.dir if store else None,
-            shared_path=store.pool_path if store else "", reuse=saved is not None)
+        #: Each partition's own pool (memfd or VMM allocation; a session's worker receives only
+        #: its partition's: ``handle_for``) and lower tiers' stores.
+        self.storage = Storage(cfg, self.partitions, state_dir=store.dir if store else None,
+                               shared_path=store.pool_path if store else "",
+                               reuse=saved is not None)
+        self.pools: dict[str, Pool] = self.storage.pools
         self.pool = self.pools[SHARED_PARTITION]
         #: vLLM's medium names: where the blocks live ("GPU" or "CPU").
         self.medium = self.pool.medium
@@ -137,8 +143,10 @@ class Daemon:
         """
         t0 = time.perf_counter()
         m = self.manager
+        self.storage.replaying()  # the journalled copies moved their bytes when first made
         records = self.recovery.replay(m, self.sessions, self.ids, epoch=self.epoch,
-                                       errors=self.op_errors)
+                                       errors=self.op_errors, tier_io=self._replay_tier_io)
+        self.storage.connect()
         resumed = self._resumed or records > 0 or m.num_indexed > 0
         self.check()
         # The journal was replayed under the settings it was written with; from here on the
@@ -165,6 +173,10 @@ class Daemon:
                 epoch=self.epoch, sessions=len(self.sessions), sequences=m.num_sequences,
                 indexed_blocks=m.num_indexed, journal_records=records,
                 seconds=round(time.perf_counter() - t0, 4)))
+
+    def _replay_tier_io(self, session_id: str, failed: tuple[int, ...]) -> None:
+        """A replayed Step's tier copies answer as they did (``Storage.replay_step``)."""
+        self.storage.replay_step(self.partitions.partition_of_session(session_id), failed)
 
     def _snapshot(self) -> None:
         self.recovery.snapshot(self.partitions, self.sessions, self.spec, self.epoch)
@@ -302,10 +314,11 @@ class Daemon:
         resp = step.apply_step(m, self.sessions, info, req, epoch=self.epoch,
                                limits=self.limits, errors=self.op_errors)
         self.index.stepped(info.tenant_id, resp)
-        recovery.record_step(info.id, req, resp, self.ids.take_minted())
+        partition = self.partitions.partition_of_session(info.id)
+        recovery.record_step(info.id, req, resp, self.ids.take_minted(),
+                             self.storage.take_io_failures(partition))
         if resp.scrubbed_blocks:  # ids of the session's partition, zeroed in its pool
-            self.pools[self.partitions.partition_of_session(info.id)].zero_blocks(
-                list(resp.scrubbed_blocks))
+            self.pools[partition].zero_blocks(list(resp.scrubbed_blocks))
         self._journalled()
         return resp
 
@@ -457,4 +470,4 @@ class Daemon:
         carries on with the same epoch, sessions that did not detach, and the cache."""
         self.sessions.close()
         self.recovery.close()
-        close_pools(self.pools)
+        self.storage.close()

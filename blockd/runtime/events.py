@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from blockd.core.errors import BlockdError, StatusCode
-from blockd.core.events import AllBlocksCleared, BlockRemoved, BlockStored, CoreEvent
+from blockd.core.events import POOL, AllBlocksCleared, BlockRemoved, BlockStored, CoreEvent
 
 log = logging.getLogger("blockd.events")
 
@@ -50,6 +50,16 @@ STORED = "stored"
 REMOVED = "removed"
 CLEARED = "all_cleared"
 PRIVATE = "private:"
+
+#: vLLM's medium names of the lower tiers (``vllm.distributed.kv_events``: ``MEDIUM_CPU``,
+#: ``MEDIUM_STORAGE``, what its offloading connector publishes); the pool's is its backend's
+#: (``GPU`` for cuda, ``CPU`` for host memory).
+TIER_MEDIA = {"host": "CPU", "disk": "STORAGE"}
+
+
+def medium_of(tier: str, pool_medium: str) -> str:
+    """The vLLM medium of an event's tier (``blockd.core.events.POOL`` or a lower one)."""
+    return TIER_MEDIA.get(tier, pool_medium)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,8 @@ class Event:
     #: The sharing domain ("public", "group:<name>"), or for a private domain
     #: "private:<keyed digest of the tenant id>" (never the raw id). Stored and removed blocks.
     tenant: str = ""
+    #: Where the block's bytes are: ``"pool"``, ``"host"`` or ``"disk"`` (``medium_of``).
+    tier: str = POOL
 
     @property
     def private(self) -> bool:
@@ -143,10 +155,11 @@ class EventLog:
         if isinstance(ev, BlockStored):
             tenant = self.tenant_label(ev.sharing_domain)
             self._append(Event(0, STORED, (ev.key,), ev.parent_key, token_bytes=ev.token_bytes,
-                               lora_id=ev.lora_id, namespace=ev.namespace_label, tenant=tenant))
+                               lora_id=ev.lora_id, namespace=ev.namespace_label, tenant=tenant,
+                               tier=ev.tier))
         elif isinstance(ev, BlockRemoved):
             self._append(Event(0, REMOVED, (ev.key,), namespace=ev.namespace_label,
-                               tenant=self.tenant_label(ev.sharing_domain)))
+                               tenant=self.tenant_label(ev.sharing_domain), tier=ev.tier))
         elif isinstance(ev, AllBlocksCleared):
             self._append(Event(0, CLEARED))
         else:  # pragma: no cover - CoreEvent has no other members

@@ -8,7 +8,8 @@ the kind (``blockd.runtime.journal`` frames it)::
     ["attach", session_id, tenant_id, owner, worker_name, lease_ms]
     ["detach", session_id, reason]
     ["fence", session_id, completed_fence]
-    ["step", session_id, StepRequest bytes, [minted sequence ids], [[index, status], ...]]
+    ["step", session_id, StepRequest bytes, [minted sequence ids], [[index, status], ...],
+     [numbers of the tier copies that failed]]   (the last item since issue 25)
     ["flush", {filter: value}]
     ["revoke", session_id, reason]          (a tenants reload took the session's rights)
     ["tenants", pickled tenant policies]
@@ -100,23 +101,29 @@ class FenceRecord:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """What a Step applied (``blockd.runtime.step.journal_record``): the request without unknown
-    fields and with its failed operations emptied, the sequence ids it minted, and each failed
-    operation's serialized status by index."""
+    fields and with its failed operations emptied, the sequence ids it minted, each failed
+    operation's serialized status by index, and the numbers of its tier copies that failed
+    (``blockd.core.tier_io.RecordingIO``: a replay answers them the same)."""
 
     kind: ClassVar[str] = "step"
     session_id: str
     request: bytes
     minted: tuple[str, ...]
     failed: tuple[tuple[int, bytes], ...]
+    io_failures: tuple[int, ...] = ()
 
     def to_record(self) -> list[Any]:
         return [self.kind, self.session_id, self.request, list(self.minted),
-                [[i, status] for i, status in self.failed]]
+                [[i, status] for i, status in self.failed], list(self.io_failures)]
 
     @classmethod
     def from_items(cls, items: list[Any]) -> StepRecord:
-        _check(cls.kind, items, (str, bytes, list, list))
-        sid, request, minted, failed = items
+        if len(items) == 4:  # written before tiers: no copy failed
+            items = [*items, []]
+        _check(cls.kind, items, (str, bytes, list, list, list))
+        sid, request, minted, failed, io_failures = items
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in io_failures):
+            raise ValueError("journal record 'step': a failed tier copy is not a number")
         if not all(isinstance(x, str) for x in minted):
             raise ValueError("journal record 'step': a minted sequence id is not a string")
         out = []
@@ -126,7 +133,7 @@ class StepRecord:
                 raise ValueError("journal record 'step': a failed operation is not "
                                  "[index, status]")
             out.append((entry[0], entry[1]))
-        return cls(sid, request, tuple(minted), tuple(out))
+        return cls(sid, request, tuple(minted), tuple(out), tuple(io_failures))
 
     def failed_statuses(self) -> dict[int, bytes]:
         return dict(self.failed)

@@ -42,7 +42,7 @@ from blockd import logs
 from blockd.config import EventsConfig
 from blockd.core.errors import FailedPrecondition, InvalidArgument
 from blockd.runtime import kv_curve
-from blockd.runtime.events import CLEARED, REMOVED, STORED, Event
+from blockd.runtime.events import CLEARED, REMOVED, STORED, Event, medium_of
 
 log = logging.getLogger("blockd.kv_events")
 
@@ -72,13 +72,14 @@ def _tokens(raw: bytes) -> list[int]:
 class _Stored:
     """One BlockStored being assembled: a chain of blocks of one namespace."""
 
-    __slots__ = ("hashes", "parent", "tokens", "lora", "namespace", "tenant")
+    __slots__ = ("hashes", "parent", "tokens", "lora", "namespace", "tenant", "medium")
 
-    def __init__(self, ev: Event, lora: str) -> None:
+    def __init__(self, ev: Event, lora: str, medium: str) -> None:
         self.hashes: list[int] = []
         self.parent = block_hash(ev.parent_hash) if ev.parent_hash else None
         self.tokens: list[int] = []
         self.lora, self.namespace, self.tenant = lora, ev.namespace, ev.tenant
+        self.medium = medium
 
 
 def encode_events(events: Iterable[Event], *, block_size: int, medium: str,
@@ -86,23 +87,26 @@ def encode_events(events: Iterable[Event], *, block_size: int, medium: str,
                   labels: bool = False, private_lora: bool = False) -> list[Any]:
     """The events of one batch, in order, as vLLM's ``KVCacheEvent`` values.
 
-    Consecutive stored blocks of one chain (same namespace, each the parent of the next) become
-    one ``BlockStored``, as vLLM publishes a request's new blocks; consecutive removals become
-    one ``BlockRemoved``. ``wire_format`` "vllm": tagged maps (vLLM's current msgspec encoding,
-    ``omit_defaults``: the tag first, then the fields in vLLM's order, defaults left out);
+    Consecutive stored blocks of one chain (same namespace and medium, each the parent of the
+    next) become one ``BlockStored``, as vLLM publishes a request's new blocks; consecutive
+    removals of one medium become one ``BlockRemoved``. ``medium`` is the pool's (vLLM's name
+    for its backend's memory); a lower tier's events carry theirs (``events.medium_of``).
+    ``wire_format`` "vllm": tagged maps (vLLM's current msgspec encoding, ``omit_defaults``:
+    the tag first, then the fields in vLLM's order, defaults left out);
     "legacy": the pre-0.26 tagged arrays. A private tenant's LoRA name is published only with
     ``private_lora`` (an authenticated socket); otherwise it is nil, like the base model's.
     """
-    groups: list[Any] = []  # _Stored, ("removed", [hash, ...]) or ("cleared",)
+    groups: list[Any] = []  # _Stored, ("removed", medium, [hash, ...]) or ("cleared",)
     last_key = b""
     for ev in events:
+        where = medium_of(ev.tier, medium)
         if ev.kind == STORED:
             lora = "" if ev.private and not private_lora else ev.lora_id
             cur = groups[-1] if groups else None
             if not (isinstance(cur, _Stored) and last_key and ev.parent_hash == last_key
-                    and (cur.lora, cur.namespace, cur.tenant)
-                    == (lora, ev.namespace, ev.tenant)):
-                cur = _Stored(ev, lora)
+                    and (cur.lora, cur.namespace, cur.tenant, cur.medium)
+                    == (lora, ev.namespace, ev.tenant, where)):
+                cur = _Stored(ev, lora, where)
                 groups.append(cur)
             cur.hashes.extend(block_hash(k) for k in ev.block_hashes)
             cur.tokens.extend(_tokens(ev.token_bytes))
@@ -111,10 +115,11 @@ def encode_events(events: Iterable[Event], *, block_size: int, medium: str,
         last_key = b""
         if ev.kind == REMOVED:
             hashes = [block_hash(k) for k in ev.block_hashes]
-            if groups and isinstance(groups[-1], tuple) and groups[-1][0] == "removed":
-                groups[-1][1].extend(hashes)
+            if (groups and isinstance(groups[-1], tuple) and groups[-1][0] == "removed"
+                    and groups[-1][1] == where):
+                groups[-1][2].extend(hashes)
             else:
-                groups.append(("removed", hashes))
+                groups.append(("removed", where, hashes))
         elif ev.kind == CLEARED:
             groups.append(("cleared",))
         else:  # pragma: no cover - EventLog makes no other kinds
@@ -123,23 +128,22 @@ def encode_events(events: Iterable[Event], *, block_size: int, medium: str,
     out: list[Any] = []
     for g in groups:
         if isinstance(g, _Stored):
-            out.append(_stored(g, block_size, medium, legacy, extra_keys, labels))
+            out.append(_stored(g, block_size, legacy, extra_keys, labels))
         elif g[0] == "removed":
-            out.append(["BlockRemoved", g[1], medium] if legacy else
-                       {"type": "BlockRemoved", "block_hashes": g[1], "medium": medium})
+            out.append(["BlockRemoved", g[2], g[1]] if legacy else
+                       {"type": "BlockRemoved", "block_hashes": g[2], "medium": g[1]})
         else:
             out.append(["AllBlocksCleared"] if legacy else {"type": "AllBlocksCleared"})
     return out
 
 
-def _stored(g: _Stored, block_size: int, medium: str, legacy: bool, extra_keys: bool,
-            labels: bool) -> Any:
+def _stored(g: _Stored, block_size: int, legacy: bool, extra_keys: bool, labels: bool) -> Any:
     """vLLM's BlockStored. ``lora_id`` (vLLM's integer adapter id) has no blockd counterpart:
     nil. ``extra_keys``, one entry per block, are vLLM's block-hash extra inputs as it publishes
     them: the LoRA name, or nil; the cache salt that vLLM adds to a first block is never
     published (blockd's namespace, salt included, is already in the hash)."""
     lora = g.lora or None
-    values: list[Any] = [g.hashes, g.parent, g.tokens, block_size, None, medium, lora]
+    values: list[Any] = [g.hashes, g.parent, g.tokens, block_size, None, g.medium, lora]
     if extra_keys:
         values.append([(lora,) if lora else None for _ in g.hashes])
     if legacy:

@@ -37,6 +37,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ from blockd.core.coordinator import PartitionCoordinator
 from blockd.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from blockd.core.ids import SequenceIds
 from blockd.core.spec import PoolSpec
+from blockd.core.tiering import TierLimits
 from blockd.runtime import step
 from blockd.runtime.journal import OVERHEAD, Journal, scan
 from blockd.runtime.journal_records import (
@@ -66,11 +68,15 @@ from blockd.runtime.state_store import StateStore
 
 log = logging.getLogger("blockd.recovery")
 
+#: Told before a replayed Step: its session and the numbers of its tier copies that failed.
+TierIOReplay = Callable[[str, tuple[int, ...]], None]
+
 #: The layout of the snapshot's state dict (and of the journal after it). 2: the runtime/core
 #: split of issue 12 (every pickled module path changed); 3: journal headers with a checked
 #: length, Step records of what was applied (issue 15); 4: one manager per pool partition
-#: (``"partitions"``, name -> core snapshot, and their ``"layout"``; issue 14).
-SNAPSHOT_VERSION = 4
+#: (``"partitions"``, name -> core snapshot, and their ``"layout"``; issue 14); 5: the lower
+#: tiers (``"tiers"``, name -> their ``TierLimits``; issue 25).
+SNAPSHOT_VERSION = 5
 
 
 class JournalCorrupt(FailedPrecondition):
@@ -127,10 +133,11 @@ class Recovery:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def load(self, spec: PoolSpec, layout: dict[str, int], *, ids: SequenceIds
-             ) -> Saved | None:
-        """The last snapshot if this daemon can carry on from it (same pool and partition
-        ``layout``); otherwise None, and the state directory is wiped for a clean epoch."""
+    def load(self, spec: PoolSpec, layout: dict[str, int], tiers: dict[str, TierLimits], *,
+             ids: SequenceIds) -> Saved | None:
+        """The last snapshot if this daemon can carry on from it (same pool, partition
+        ``layout`` and lower ``tiers``); otherwise None, and the state directory is wiped for a
+        clean epoch."""
         store = self.store
         if store is None:
             return None
@@ -142,7 +149,7 @@ class Recovery:
         if state is None:
             store.wipe()
             return None
-        problem = _problem(state, spec, layout, store)
+        problem = _problem(state, spec, layout, tiers, store)
         if problem is not None:
             self._new_epoch(problem)
             return None
@@ -164,8 +171,10 @@ class Recovery:
     # -- replay --------------------------------------------------------------------------------
 
     def replay(self, m: KVManager, sessions: Sessions, ids: SequenceIds, *, epoch: int,
-               errors: Counter[str]) -> int:
-        """Apply the journal written after the snapshot; returns the number of records."""
+               errors: Counter[str], tier_io: TierIOReplay) -> int:
+        """Apply the journal written after the snapshot; returns the number of records.
+        ``tier_io(session_id, failed)`` is called before each Step with the numbers of its
+        tier copies that failed when it was first applied (``blockd.core.tier_io``)."""
         if self.store is None:
             return 0
         path = self.store.journal_path(self.generation)
@@ -182,7 +191,7 @@ class Recovery:
                         "acknowledged)", extra=logs.fields(journal=path, offset=damage.offset,
                                                           bytes=damage.bytes_lost))
         for record in found.records:
-            _apply(record, m, sessions, ids, epoch, errors)
+            _apply(record, m, sessions, ids, epoch, errors, tier_io)
         return len(found.records)
 
     # -- space ---------------------------------------------------------------------------------
@@ -243,11 +252,13 @@ class Recovery:
                               "must be restarted") from None
 
     def record_step(self, session_id: str, req: pb.StepRequest, resp: pb.StepResponse,
-                    minted: list[str]) -> None:
-        """Journal what a Step applied (``step.journal_record``)."""
+                    minted: list[str], io_failures: tuple[int, ...] = ()) -> None:
+        """Journal what a Step applied (``step.journal_record``), with the numbers of its tier
+        copies that failed."""
         if self.journal is not None:
             raw, failed = step.journal_record(req, resp)
-            self.record(StepRecord(session_id, raw, tuple(minted), tuple(sorted(failed.items()))))
+            self.record(StepRecord(session_id, raw, tuple(minted), tuple(sorted(failed.items())),
+                                   io_failures))
 
     @property
     def due(self) -> bool:
@@ -271,7 +282,7 @@ class Recovery:
             "version": SNAPSHOT_VERSION, "manager_format": snapshot.FORMAT_VERSION,
             "spec": dataclasses.asdict(spec), "epoch": epoch,
             "generation": self.generation + 1, "partitions": parts.dump(),
-            "layout": dict(parts.layout),
+            "layout": dict(parts.layout), "tiers": _tiers(parts.tiers),
             "sessions": sessions.saved(), "revoked": sessions.saved_revoked(),
         }
         self._snapshot_bytes = store.write_snapshot(state)
@@ -299,8 +310,12 @@ class Recovery:
             self.store.close()
 
 
-def _problem(state: object, spec: PoolSpec, layout: dict[str, int], store: StateStore
-             ) -> str | None:
+def _tiers(tiers: dict[str, TierLimits]) -> dict[str, dict[str, int]]:
+    return {name: dataclasses.asdict(limits) for name, limits in tiers.items()}
+
+
+def _problem(state: object, spec: PoolSpec, layout: dict[str, int],
+             tiers: dict[str, TierLimits], store: StateStore) -> str | None:
     """Why a readable snapshot cannot be carried on from, or None."""
     if not isinstance(state, dict):
         return f"the snapshot holds a {type(state).__name__}, not a state dict"
@@ -313,6 +328,8 @@ def _problem(state: object, spec: PoolSpec, layout: dict[str, int], store: State
         return f"the pool was {state['spec']}, the configuration says {spec}"
     if state.get("layout") != layout:
         return f"the partitions were {state.get('layout')}, the tenants file says {layout}"
+    if state.get("tiers") != _tiers(tiers):
+        return f"the lower tiers were {state.get('tiers')}, the configuration says {_tiers(tiers)}"
     for name in layout:
         if not os.path.exists(partition_path(store.dir, name, store.pool_path)):
             return f"the pool file of partition {name!r} is gone"
@@ -320,10 +337,11 @@ def _problem(state: object, spec: PoolSpec, layout: dict[str, int], store: State
 
 
 def _apply(raw: list[Any], m: KVManager, sessions: Sessions, ids: SequenceIds,
-           epoch: int, errors: Counter[str]) -> None:
+           epoch: int, errors: Counter[str], tier_io: TierIOReplay) -> None:
     record = from_record(raw)
     if isinstance(record, StepRecord):
         info = _session(sessions, record)
+        tier_io(record.session_id, record.io_failures)
         with ids.replaying(list(record.minted)):
             step.apply_step(m, sessions, info, pb.StepRequest.FromString(record.request),
                             epoch=epoch, limits=None, errors=errors,

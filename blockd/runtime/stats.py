@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from blockd.api.v1 import blockd_pb2 as pb
+from blockd.core.lower_tiers import TIER_ORDER
 from blockd.runtime import convert
 
 if TYPE_CHECKING:
@@ -51,4 +52,24 @@ def answer(principal: Principal, partitions: PartitionCoordinator, sessions: Ses
     for usage in sorted(m.tenant_usage(), key=lambda u: u.tenant_id):
         if principal.admin or usage.tenant_id in principal.tenants:
             resp.tenants.append(convert.tenant_usage(usage))
+    _tiers(resp, partitions, scope, everything)
     return resp
+
+
+def _tiers(resp: pb.StatsResponse, partitions: PartitionCoordinator, scope: set[str] | None,
+           everything: bool) -> None:
+    """The lower tiers of the caller's partitions; their counters as the pool's (above)."""
+    usage = [u for u in partitions.tier_usage() if scope is None or u.partition in scope]
+    c = partitions.counters
+    for name in TIER_ORDER:
+        mine = [u for u in usage if u.tier == name]
+        if not mine:
+            continue
+        out = resp.tiers.add(tier=name, num_slots=sum(u.num_slots for u in mine),
+                             used_slots=sum(u.used_slots for u in mine),
+                             slot_bytes=mine[0].slot_bytes)
+        if everything:
+            out.hit_tokens_total = c.tier_hit_tokens[name]
+            out.stored_blocks_total = c.tier_stored_blocks[name]
+            out.loaded_blocks_total = c.tier_loaded_blocks[name]
+            out.load_failures_total = c.tier_load_failures[name]

@@ -39,6 +39,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 import blockd
+from blockd.server.tier_metrics import TierCollector
 
 if TYPE_CHECKING:
     from blockd.runtime.daemon import Daemon
@@ -94,6 +95,7 @@ class Metrics:
         """Export ``daemon``'s state and, when events are on, the KV-event publisher's counters."""
         self.daemon = daemon
         self.registry.register(_DaemonCollector(daemon, self))
+        self.registry.register(TierCollector(daemon))
         if events is not None:
             self.registry.register(_KvEventsCollector(events))
 

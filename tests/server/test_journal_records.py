@@ -30,8 +30,10 @@ CASES: list[tuple[Record, list[object]]] = [
      ["attach", "s1", "acme", "alice", "worker-0", 30000]),
     (DetachRecord("s1", "lease expired"), ["detach", "s1", "lease expired"]),
     (FenceRecord("s1", 2**63 - 1), ["fence", "s1", 2**63 - 1]),
-    (StepRecord("s1", b"\x0a\x02s1\x10\x07", ("q-1", "q-2"), ((0, b"\x08\x08"), (3, b""))),
-     ["step", "s1", b"\x0a\x02s1\x10\x07", ["q-1", "q-2"], [[0, b"\x08\x08"], [3, b""]]]),
+    (StepRecord("s1", b"\x0a\x02s1\x10\x07", ("q-1", "q-2"), ((0, b"\x08\x08"), (3, b"")),
+                (2, 5)),
+     ["step", "s1", b"\x0a\x02s1\x10\x07", ["q-1", "q-2"], [[0, b"\x08\x08"], [3, b""]],
+      [2, 5]]),
     (FlushRecord(model_id="m", lora_id="l"),
      ["flush", {"model_id": "m", "model_revision": None, "lora_id": "l", "tenant_id": None}]),
     (RevokeRecord("s2", "credential removed"), ["revoke", "s2", "credential removed"]),
@@ -64,12 +66,19 @@ def test_a_tenants_record_round_trips_its_policies(tmp_path) -> None:
     assert from_record(back).policies[1].priority == 2
 
 
+def test_a_step_record_from_before_tiers_replays_with_no_failed_copy() -> None:
+    old = ["step", "s1", b"\x0a\x02s1", ["q-1"], [[0, b"\x08\x08"]]]
+    assert from_record(old) == StepRecord("s1", b"\x0a\x02s1", ("q-1",), ((0, b"\x08\x08"),))
+    assert from_record(old).io_failures == ()
+
+
 @pytest.mark.parametrize("raw,message", [
     (["attach", "s1", "acme", "alice", "w"], "'attach': 4 items, expected 5"),
     (["attach", "s1", "acme", "alice", "w", True], "'attach': item 5 is a bool"),
     (["fence", "s1", "7"], "'fence': item 2 is a str"),
     (["step", "s1", b"", ["q"], [[0]]], "'step': a failed operation"),
     (["step", "s1", b"", [1], []], "'step': a minted sequence id"),
+    (["step", "s1", b"", [], [], ["1"]], "'step': a failed tier copy"),
     (["flush", {"model": "m"}], "'flush': filters"),
     (["tenants", b"\x80\x04N."], "'tenants': not a list"),
     (["wipe", "everything"], "unknown journal record 'wipe'"),

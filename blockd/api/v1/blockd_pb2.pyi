@@ -493,7 +493,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("epoch", "num_blocks", "block_size", "blocks_free", "blocks_writing", "blocks_committed", "blocks_pending", "blocks_cached", "prefix_queried_tokens_total", "prefix_hit_tokens_total", "evictions_total", "cow_copies_total", "num_sessions", "num_sequences", "tenants")
+    __slots__ = ("epoch", "num_blocks", "block_size", "blocks_free", "blocks_writing", "blocks_committed", "blocks_pending", "blocks_cached", "prefix_queried_tokens_total", "prefix_hit_tokens_total", "evictions_total", "cow_copies_total", "num_sessions", "num_sequences", "tenants", "tiers")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -509,6 +509,7 @@ class StatsResponse(_message.Message):
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_blocks: int
     block_size: int
@@ -524,7 +525,28 @@ class StatsResponse(_message.Message):
     num_sessions: int
     num_sequences: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
-    def __init__(self, epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_writing: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., prefix_queried_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_sequences: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_writing: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_pending: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., prefix_queried_tokens_total: _Optional[int] = ..., prefix_hit_tokens_total: _Optional[int] = ..., evictions_total: _Optional[int] = ..., cow_copies_total: _Optional[int] = ..., num_sessions: _Optional[int] = ..., num_sequences: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "num_slots", "used_slots", "slot_bytes", "hit_tokens_total", "stored_blocks_total", "loaded_blocks_total", "load_failures_total")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    num_slots: int
+    used_slots: int
+    slot_bytes: int
+    hit_tokens_total: int
+    stored_blocks_total: int
+    loaded_blocks_total: int
+    load_failures_total: int
+    def __init__(self, tier: _Optional[str] = ..., num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., hit_tokens_total: _Optional[int] = ..., stored_blocks_total: _Optional[int] = ..., loaded_blocks_total: _Optional[int] = ..., load_failures_total: _Optional[int] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
     __slots__ = ("tenant_id", "used_blocks", "quota_blocks", "guaranteed_blocks", "cached_blocks")

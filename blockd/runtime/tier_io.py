@@ -1,0 +1,129 @@
+"""The daemon's ``TierIO`` (``blockd.core.tier_io``): copies between a host pool and its tiers.
+
+Synchronous, on the daemon's loop, bounded per Step by the core (``TierLimits``): a spill gathers
+the block's runs from the pool mapping straight into the slot (host) or a buffer (disk), a load
+checks the slot (``blockd.tiers.slot``) and scatters it into the pool block. Nothing a worker
+maps is written except a load's target block, which no kernel reads before the admit's answer
+names it. An ``OSError`` of a store is a failed copy (False, counted by kind); it never
+escapes into the Step.
+
+``TierIOStats`` counts what moved, per tier, and times every load and spill (Prometheus
+histograms in ``blockd.server.metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from blockd import logs
+from blockd.pools.host import HostPool
+from blockd.tiers.base import TierStore
+
+log = logging.getLogger("blockd.tiers")
+
+#: Upper bounds of the copy-latency histograms, seconds (a 64 KiB block is ~10 us in memory).
+LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = 0
+        while i < len(self.buckets) and seconds > self.buckets[i]:
+            i += 1
+        self.counts[i] += 1
+        self.total += seconds
+
+
+@dataclass
+class TierIOStats:
+    """What the tiers' copies did (every partition's stores add to one of these)."""
+
+    #: Bytes written into / read out of each tier's slots (a demotion counts as both).
+    bytes_written: Counter[str] = field(default_factory=Counter)
+    bytes_read: Counter[str] = field(default_factory=Counter)
+    #: Failures by kind: ``<tier>_check`` (a slot that failed its check), ``<tier>_read`` and
+    #: ``<tier>_write`` (an OSError).
+    errors: Counter[str] = field(default_factory=Counter)
+    load_seconds: dict[str, Histogram] = field(default_factory=dict)
+    spill_seconds: dict[str, Histogram] = field(default_factory=dict)
+
+    def timed(self, table: dict[str, Histogram], tier: str, t0: float) -> None:
+        table.setdefault(tier, Histogram()).observe(time.perf_counter() - t0)
+
+
+class PoolTierIO:
+    """Moves one partition's blocks between its host pool and its tier stores."""
+
+    def __init__(self, pool: HostPool, stores: dict[str, TierStore], stats: TierIOStats,
+                 partition: str) -> None:
+        self.pool = pool
+        self.stores = stores
+        self.stats = stats
+        self.partition = partition
+
+    def _failed(self, kind: str, exc: OSError | None = None) -> bool:
+        self.stats.errors[kind] += 1
+        if exc is not None:
+            log.warning("tier copy failed", extra=logs.fields(
+                partition=self.partition, kind=kind, error=exc.strerror or str(exc)))
+        return False
+
+    def spill(self, block: int, tier: str, slot: int, serial: int, key: bytes) -> bool:
+        store = self.stores[tier]
+        t0 = time.perf_counter()
+        try:
+            self.pool.copy_out(block, store.begin_write(slot))
+            store.end_write(slot, serial, key)
+        except OSError as exc:
+            return self._failed(f"{tier}_write", exc)
+        self.stats.bytes_written[tier] += store.slot_bytes
+        self.stats.timed(self.stats.spill_seconds, tier, t0)
+        return True
+
+    def load(self, tier: str, slot: int, block: int, serial: int, key: bytes) -> bool:
+        store = self.stores[tier]
+        t0 = time.perf_counter()
+        try:
+            data = store.checked_view(slot, serial, key)
+        except OSError as exc:
+            return self._failed(f"{tier}_read", exc)
+        if data is None:
+            return self._failed(f"{tier}_check")
+        self.pool.copy_in(block, data)
+        self.stats.bytes_read[tier] += store.slot_bytes
+        self.stats.timed(self.stats.load_seconds, tier, t0)
+        return True
+
+    def move(self, src_tier: str, src_slot: int, dst_tier: str, dst_slot: int, serial: int,
+             key: bytes) -> bool:
+        src, dst = self.stores[src_tier], self.stores[dst_tier]
+        t0 = time.perf_counter()
+        try:
+            data = src.checked_view(src_slot, serial, key)
+        except OSError as exc:
+            return self._failed(f"{src_tier}_read", exc)
+        if data is None:
+            return self._failed(f"{src_tier}_check")
+        try:
+            dst.begin_write(dst_slot)[:] = data
+            dst.end_write(dst_slot, serial, key)
+        except OSError as exc:
+            return self._failed(f"{dst_tier}_write", exc)
+        self.stats.bytes_read[src_tier] += src.slot_bytes
+        self.stats.bytes_written[dst_tier] += dst.slot_bytes
+        self.stats.timed(self.stats.spill_seconds, dst_tier, t0)
+        return True
+
+    def scrub(self, tier: str, slot: int) -> None:
+        try:
+            self.stores[tier].scrub(slot)
+        except OSError as exc:
+            self._failed(f"{tier}_write", exc)

@@ -1,0 +1,113 @@
+"""Tiers on a real daemon: workers in other processes write K/V into the shared pool, the pool
+evicts it down to host memory and disk, and a later worker's prefix hit reads back exactly
+those bytes; across ``kill -9`` and a restart on the same state directory; a corrupted disk
+slot is a counted miss, never bytes served; refusals at start name their field.
+
+The workers are ``kvworker.py`` processes (``write``: compute and commit a deterministic K/V
+pattern of the prompt; ``read``: admit it and check what its own mapping holds in the hit
+blocks). The pool has 8 blocks of 4 tokens; each 14-token prompt holds 4 of them (3 full).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from cli_support import clean_env, run_refused, write_config
+from daemon_proc import kill9, restart, start
+from test_shared_pool import run_worker
+
+from blockd.tiers.base import round_up
+from blockd.tiers.disk import FILE_HEADER, tier_file
+from blockd.tiers.slot import HEADER_BYTES
+
+#: One block of the daemon_proc pool layout, every shard: 4 tokens x K,V x 2 layers x 2 heads
+#: x 8 dims x 2 bytes.
+SLOT = 4 * 2 * 2 * 2 * 8 * 2
+P = list(range(300, 314))
+OTHERS = [list(range(1000 * i, 1000 * i + 14)) for i in range(1, 6)]
+MORE = [list(range(1000 * i, 1000 * i + 14)) for i in range(6, 11)]
+
+
+def evict(d, prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
+    for tokens in prompts:
+        assert run_worker(d, "write", "alice", "acme", tokens)["committed"] == 3
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory_with_its_bytes(tmp_path: Path) -> None:
+    with start(tmp_path, num_blocks=8, extra={"tiers": {"host_bytes": 32 * SLOT}}) as d:
+        a = run_worker(d, "write", "alice", "acme", P)
+        evict(d, OTHERS)  # 5 x 3 blocks through an 8-block pool: P is long gone from it
+        assert d.metric('blockd_tier_stored_blocks_total{tier="host"}') >= 3
+        b = run_worker(d, "read", "alice", "acme", P)
+        assert b["cached"] == 12  # all 3 full blocks, loaded from the host tier
+        assert b["pattern_ok"] and b["digests"] == a["digests"][:3]
+        assert d.metric('blockd_tier_hit_tokens_total{tier="host"}') >= 12
+        assert d.metric('blockd_tier_loaded_blocks_total{tier="host"}') >= 3
+        # Another tenant's worker, private sharing: none of it, whatever tier holds it.
+        c = run_worker(d, "read", "bob", "globex", P)
+        assert c["cached"] == 0
+
+
+def test_the_disk_tier_survives_kill_9_and_a_corrupt_slot_is_a_counted_miss(
+        tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    state = Path(f"/dev/shm/blockd-test-{os.getpid()}-{tmp_path.name}")
+    tiers = {"host_bytes": 2 * SLOT, "disk_path": str(disk), "disk_bytes": 64 * SLOT}
+    d = start(tmp_path, num_blocks=8, extra={"tiers": tiers, "state": {"dir": str(state)}})
+    try:
+        a = run_worker(d, "write", "alice", "acme", P)
+        evict(d, OTHERS)  # P's blocks pass through the 2-slot host tier onto the disk
+        assert d.metric('blockd_tier_stored_blocks_total{tier="disk"}') >= 3
+        kill9(d)
+        d = restart(d)  # the same state dir: the index of the disk's slots is recovered
+        b = run_worker(d, "read", "alice", "acme", P)
+        assert b["cached"] == 12 and b["pattern_ok"] and b["digests"] == a["digests"][:3]
+        assert d.metric('blockd_tier_hit_tokens_total{tier="disk"}') >= 12 - 2 * 4
+        # Damage every slot's bytes on disk (their headers intact), then push P out of the
+        # pool again: its next hit must come from the disk, and fail the check.
+        path = Path(tier_file(str(disk), "shared"))
+        stride = round_up(HEADER_BYTES + SLOT, 4096)
+        with path.open("r+b") as f:
+            for i in range(64):
+                f.seek(FILE_HEADER + i * stride + HEADER_BYTES)
+                f.write(b"\xa5" * SLOT)
+        evict(d, MORE)
+        before = d.metric('blockd_tier_load_failures_total{tier="disk"}')
+        c = run_worker(d, "read", "alice", "acme", P)
+        assert c["pattern_ok"]  # whatever it was given is P's own K/V
+        assert c["cached"] < 12
+        assert d.metric('blockd_tier_load_failures_total{tier="disk"}') > before
+        assert d.metric('blockd_tier_errors_total{kind="disk_check"}') >= 1
+    finally:
+        d.stop()
+        for p in state.glob("*"):
+            p.unlink()
+        state.rmdir()
+
+
+@pytest.mark.parametrize("tiers,field,needle", [
+    ({"host_bytes": 100}, "tiers.host_bytes", "less than one block"),
+    ({"host_bytes": 1 << 50}, "tiers.host_bytes", "more than this machine's memory"),
+    ({"disk_path": "/nonexistent/blockd", "disk_bytes": 1 << 20}, "tiers.disk_path",
+     "not a writable directory"),
+    ({"disk_bytes": 1 << 20}, "tiers.disk_path", "needs both"),
+    ({"disk_path": "{tmp}", "disk_bytes": 1 << 55}, "tiers.disk_bytes", "index of"),
+    ({"disk_path": "{tmp}", "disk_bytes": "{free}"}, "tiers.disk_bytes", "do not fit"),
+])
+def test_a_tier_the_machine_cannot_hold_is_refused_in_one_line(
+        tmp_path: Path, tiers: dict[str, object], field: str, needle: str) -> None:
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    tiers = {k: {"{tmp}": str(tmp_path), "{free}": free + (1 << 30)}.get(v, v)  # type: ignore[call-overload]
+             for k, v in tiers.items()}
+    # Big blocks (64 KiB), so that a disk tier of the disk's size has an index that fits.
+    cfg = write_config(tmp_path / "d", tiers=tiers, pool={"num_layers": 8, "num_kv_heads": 8,
+                                                          "head_dim": 64})
+    out = run_refused("--config", str(cfg), cwd=tmp_path, env=clean_env())
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert field in lines[0] and needle in lines[0], lines[0]
+    assert not list((tmp_path).glob("blockd-*.tier"))  # nothing left behind
