@@ -41,10 +41,13 @@ TENANTS = {
 
 
 def start_daemon(workdir: Path, *, num_blocks: int = 1024, state_dir: Path | None = None,
-                 lease_ms: int = 3000, acme_quota: int | None = None) -> daemon_proc.Daemon:
+                 lease_ms: int = 3000, acme_quota: int | None = None,
+                 tiers: dict[str, Any] | None = None) -> daemon_proc.Daemon:
     extra: dict[str, Any] = {"pool": dict(POOL)}
     if state_dir is not None:
         extra["state"] = {"dir": str(state_dir)}
+    if tiers is not None:
+        extra["tiers"] = tiers
     tenants = TENANTS
     if acme_quota is not None:
         tenants = {**TENANTS, "tenants": [{**t, "quota_blocks": acme_quota}
