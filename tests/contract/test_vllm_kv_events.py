@@ -315,3 +315,39 @@ def test_optional_labels_decode_and_legacy_does_not(vkv: ModuleType) -> None:
                           wire_format="legacy")
     with pytest.raises(msgspec.ValidationError):
         decoder.decode(legacy)
+
+
+def test_lower_tier_events_carry_vllms_own_media_byte_for_byte(vkv: ModuleType,
+                                                               vllm_pub: VllmPublisher) -> None:
+    """A prefix spilled to the host tier and demoted to disk, as vLLM's offloading connector
+    would publish it: BlockStored on ``MEDIUM_CPU`` and then on ``MEDIUM_STORAGE`` (vLLM's
+    names, imported from it), BlockRemoved of each medium apart; the pool's on its own."""
+    ours_events = [
+        Event(1, STORED, (K[0],), b"", _tokens(1, 2, 3, 4), "", "ns-a", "public"),
+        Event(2, STORED, (K[0],), b"", _tokens(1, 2, 3, 4), "", "ns-a", "public", tier="host"),
+        Event(3, REMOVED, (K[0],)),
+        Event(4, STORED, (K[0],), b"", _tokens(1, 2, 3, 4), "", "ns-a", "public", tier="disk"),
+        Event(5, REMOVED, (K[0],), tier="host"),
+        Event(6, REMOVED, (K[0],), tier="disk")]
+    theirs_events = [
+        vkv.BlockStored(block_hashes=[H[0]], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                        block_size=BLOCK_SIZE, lora_id=None, medium=vkv.MEDIUM_GPU,
+                        lora_name=None, extra_keys=[None]),
+        vkv.BlockStored(block_hashes=[H[0]], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                        block_size=BLOCK_SIZE, lora_id=None, medium=vkv.MEDIUM_CPU,
+                        lora_name=None, extra_keys=[None]),
+        vkv.BlockRemoved(block_hashes=[H[0]], medium=vkv.MEDIUM_GPU),
+        vkv.BlockStored(block_hashes=[H[0]], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                        block_size=BLOCK_SIZE, lora_id=None, medium=vkv.MEDIUM_STORAGE,
+                        lora_name=None, extra_keys=[None]),
+        vkv.BlockRemoved(block_hashes=[H[0]], medium=vkv.MEDIUM_CPU),
+        vkv.BlockRemoved(block_hashes=[H[0]], medium=vkv.MEDIUM_STORAGE)]
+    from blockd.runtime.kv_events import encode_batch
+
+    ours = encode_batch(ours_events, ts=1.0, block_size=BLOCK_SIZE, medium="GPU")
+    decoded = msgspec.msgpack.Decoder(type=vkv.KVEventBatch).decode(ours).events
+    assert [getattr(e, "medium", None) for e in decoded] == [
+        vkv.MEDIUM_GPU, vkv.MEDIUM_CPU, vkv.MEDIUM_GPU, vkv.MEDIUM_STORAGE, vkv.MEDIUM_CPU,
+        vkv.MEDIUM_STORAGE]
+    theirs = vllm_pub.send(vkv.KVEventBatch(ts=1.0, events=theirs_events))
+    assert normalised(theirs[2]) == normalised(ours)
