@@ -67,12 +67,16 @@ def promtool_check_metrics(text: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon with every optional metric family: KV events (with replay) and crash recovery."""
+    """A daemon with every optional metric family: KV events (with replay), crash recovery and
+    the tiers below the pool (a host tier of 4 blocks over a disk tier of 64)."""
     work = tmp_path_factory.mktemp("blockd-full")
+    (work / "disk").mkdir()
     d = start(work, extra={
         "events": {"zmq_endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
                    "topic": "kv@metrics-test@tiny", "batch_ms": 1},
-        "state": {"dir": str(work / "state")}})
+        "state": {"dir": str(work / "state")},
+        "tiers": {"host_bytes": 4 * 512, "disk_path": str(work / "disk"),
+                  "disk_bytes": 64 * 512}})
     yield d
     assert d.stop() == 0, d.log_text()
 
@@ -86,6 +90,15 @@ def traffic(d: Daemon, first_token: int) -> None:
     w = Worker(d.stub("unix"), "carol", "initech")
     for _ in range(2):  # the second time: hits, no new blocks
         seq = w.admit(list(range(first_token, first_token + 9))).sequence_id  # 2 blocks + 1
+        w.step(commit(seq))
+        w.stub.Heartbeat(pb.HeartbeatRequest(session_id=w.sid, epoch=w.epoch,
+                                             completed_fence=w.fence), metadata=md(w.who))
+        w.step(release(seq), fence=0)
+    # Past carol's quota of 40 blocks: her own cached blocks are evicted, through the host
+    # tier onto the disk one (the tiers' counters and copy-time histograms).
+    for i in range(12):
+        start_at = 10_000 + 100 * i + first_token
+        seq = w.admit(list(range(start_at, start_at + 17))).sequence_id  # 4 blocks + 1
         w.step(commit(seq))
         w.stub.Heartbeat(pb.HeartbeatRequest(session_id=w.sid, epoch=w.epoch,
                                              completed_fence=w.fence), metadata=md(w.who))
@@ -104,7 +117,9 @@ def test_promtool_accepts_a_live_scrape(full: Daemon) -> None:
     families = types(text)
     for name in ("blockd_pool_blocks", "blockd_journal_bytes", "blockd_snapshots",
                  "blockd_operation_errors", "blockd_step_duration_seconds",
-                 "process_cpu_seconds", "blockd_kv_event_subscribers"):
+                 "process_cpu_seconds", "blockd_kv_event_subscribers", "blockd_tier_slots",
+                 "blockd_tier_stored_blocks", "blockd_tier_store_seconds",
+                 "blockd_tenant_tier_used_slots"):
         assert name in families, name
     assert 'blockd_operation_errors_total{code="' in text
     proc = promtool_check_metrics(text)
