@@ -36,6 +36,9 @@ fuzz: $(STAMP)
 ## Benchmarks: numbers to bench/results/*.json, plots to bench/results/*.png.
 bench: $(STAMP)
 	$(PY) bench/peers_replay.py
+	$(PY) bench/tiers_replay.py --blockd-tiered
+	$(PY) bench/tier_copies.py
+	$(PY) bench/tier_admit.py
 	$(PY) bench/scaling.py
 	$(PY) bench/core_replay.py
 	$(PY) bench/seeds_numbers.py

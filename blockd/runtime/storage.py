@@ -79,7 +79,8 @@ class Storage:
                 self.stores[name] = stores
                 if limits.host_slots:
                     path = str(state_dir / f"tier.host.{name}") if state_dir else None
-                    stores[HOST] = HostTierStore(limits.host_slots, slot_bytes, path, reuse)
+                    stores[HOST] = HostTierStore(limits.host_slots, slot_bytes, path, reuse,
+                                                 prefault=cfg.pool.prefault)
                 if limits.disk_slots:
                     stores[DISK] = DiskTierStore(cfg.tiers.disk_path, name, limits.disk_slots,
                                                  slot_bytes, reuse)

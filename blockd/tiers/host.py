@@ -34,7 +34,7 @@ class HostTierStore:
     name = "host"
 
     def __init__(self, num_slots: int, slot_bytes: int, path: str | None = None,
-                 reuse: bool = False) -> None:
+                 reuse: bool = False, prefault: bool = False) -> None:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.stride = round_up(HEADER_BYTES + slot_bytes, 64)
@@ -70,6 +70,10 @@ class HostTierStore:
             os.close(self.fd)
             raise
         self._view = memoryview(self.map)
+        if prefault:  # the first spill into a page would pay its fault (``pool.prefault``)
+            self.map.madvise(mmap.MADV_WILLNEED)
+            for off in range(0, self.size, mmap.PAGESIZE):
+                self._view[off] = self._view[off]
 
     def _body(self, slot: int) -> memoryview:
         off = slot * self.stride + HEADER_BYTES
