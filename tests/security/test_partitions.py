@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+from blockd.core.coordinator import PartitionCoordinator
 from blockd.core.errors import InvalidArgument
 from blockd.core.namespace import PrefixScope
 from blockd.core.results import DoesNotFit
 from blockd.core.spec import PoolSpec
 from blockd.core.tenants import Isolation, Sharing, TenantPolicy
-from blockd.core.coordinator import PartitionCoordinator
 
 B = 4
 SPEC = PoolSpec(block_size=B, num_blocks=8)
