@@ -86,7 +86,7 @@ def run_config(name: str, work: list[list[int]], warmup: int, tmp: Path) -> dict
         att = stub.Attach(pb.AttachRequest(worker_name="bench", tenant_id="default",
                                            layout=LAYOUT))
         sid, epoch = att.session_id, att.epoch
-        step_id = fence = 0
+        step_id = 0
         lat: list[float] = []
         cached = queried = 0
 
@@ -97,7 +97,7 @@ def run_config(name: str, work: list[list[int]], warmup: int, tmp: Path) -> dict
                                             fence=f, operations=list(ops)))
 
         for i, tokens in enumerate(work):
-            fence += 1
+            fence = i + 1
             op = pb.Operation(admit=pb.AdmitOp(namespace=NS, token_ids=tokens))
             t0 = time.perf_counter()
             resp = step(op, f=fence)

@@ -111,7 +111,7 @@ def bench_layout(fields: dict, blocks: int, workdir: Path) -> dict[str, float]:
                                 for b in range(blocks)])
     os.close(fd)
     path.unlink()
-    del src
+    src = dst = None  # release the views of the pool before it closes
     for closing in (host, disk, pool):
         closing.close()
     return out

@@ -2,9 +2,10 @@
 ids local to it.
 
 The daemon's ``PartitionCoordinator`` routes each session to its partition's own
-``BlockManager``; these tests drive it as the runtime does (session ids first) and check exact block ids, that nothing
-crosses a partition (allocation, hits, eviction, scrub, preemption), that a reload changing the
-partitions is refused with nothing changed, and that a snapshot restores every partition.
+``BlockManager``; these tests drive it as the runtime does (session ids first) and check exact
+block ids, that nothing crosses a partition (allocation, hits, eviction, scrub, preemption),
+that a reload changing the partitions is refused with nothing changed, and that a snapshot
+restores every partition.
 """
 
 from __future__ import annotations
