@@ -53,15 +53,15 @@ def test_prompts_3x_the_pool_come_back_from_host_memory(tmp_path: Path, model_di
                                                         alone: Engine) -> None:
     work = prompts(seed=31)
     want = in_batches(alone, work)["tokens"]
-    with start_daemon(tmp_path / "blockd", num_blocks=POOL_BLOCKS,
-                      tiers={"host_bytes": 64 << 20}) as d:
-        # Both engines start at once (start-ups are the cost); the second stays idle, with
-        # nothing of its own, until the first has computed everything.
-        with Engine(model_dir, connector_config(d, "acme", "alice2"), wait=False) as second:
-            with Engine(model_dir, connector_config(d, "acme", "alice")) as first:
-                assert in_batches(first, work)["tokens"] == want
-            assert stats(d).tiers[0].used_slots >= 24 * 6 - POOL_BLOCKS
-            check_second_engine(d, second, want, work, "host")
+    d = start_daemon(tmp_path / "blockd", num_blocks=POOL_BLOCKS,
+                     tiers={"host_bytes": 64 << 20})
+    # Both engines start at once (start-ups are the cost); the second stays idle, with nothing
+    # of its own, until the first has computed everything.
+    with d, Engine(model_dir, connector_config(d, "acme", "alice2"), wait=False) as second:
+        with Engine(model_dir, connector_config(d, "acme", "alice")) as first:
+            assert in_batches(first, work)["tokens"] == want
+        assert stats(d).tiers[0].used_slots >= 24 * 6 - POOL_BLOCKS
+        check_second_engine(d, second, want, work, "host")
 
 
 def test_prompts_3x_the_pool_come_back_from_disk_after_a_daemon_restart(
