@@ -17,17 +17,16 @@ its workers still map (``reuse=True``), and every live sequence keeps its K/V.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import os
 from collections.abc import Iterable
 
 import numpy as np
 
 from blockd import wire
-from blockd.core.errors import ResourceExhausted
 from blockd.core.spec import PoolSpec
+from blockd.pools import region
 from blockd.pools.base import Planes, header_for
+from blockd.pools.region import open_region
 
 
 class HostPool:
@@ -46,37 +45,10 @@ class HostPool:
         self.planes = Planes.of(spec, shards=spec.tp_size)
         self.size = self.planes.region_bytes
         self.path = path
-        if path is None:
-            self.fd = os.memfd_create("blockd-kv-pool", os.MFD_CLOEXEC)
-        elif reuse:
-            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        else:
-            # A fresh pool: workers still mapping an old file keep their (old) memory.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            if reuse:
-                have = os.fstat(self.fd).st_size
-                if have != self.size:
-                    raise ValueError(f"{path} holds {have} bytes, the pool needs {self.size}")
-            else:
-                os.ftruncate(self.fd, self.size)
-                try:
-                    os.posix_fallocate(self.fd, 0, self.size)
-                except OSError as exc:
-                    raise ResourceExhausted(
-                        f"cannot reserve {self.size} bytes of shared memory for the pool: {exc}",
-                        reason="shm", field="pool.num_blocks") from None
-            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED,
-                                 mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.fd, self.map = open_region(self.size, name="blockd-kv-pool", path=path,
+                                        reuse=reuse, field="pool.num_blocks", what="pool")
         if prefault:
-            self.map.madvise(mmap.MADV_WILLNEED)
-            for off in range(0, self.size, mmap.PAGESIZE):
-                self.map[off] = 0
+            region.prefault(self.map, self.size)
         self._zeros = b""
         #: The region as ``[planes, num_blocks, run_bytes]`` bytes (``copy_out``/``copy_in``);
         #: released in ``close`` before the mapping is (a view would keep it open).

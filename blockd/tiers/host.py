@@ -11,10 +11,11 @@ No worker ever maps it: the daemon copies between it and the pool.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 
 from blockd.core.errors import ResourceExhausted
+from blockd.pools import region
+from blockd.pools.region import open_region
 from blockd.tiers.base import round_up
 from blockd.tiers.slot import EMPTY, HEADER_BYTES, SlotHeader, checksum
 
@@ -45,35 +46,12 @@ class HostTierStore:
                 f"tiers.host_bytes: a host tier of {self.size} bytes is more than this "
                 f"machine's memory ({limit} bytes)", reason="memory", field="tiers.host_bytes")
         self.path = path
-        if path is None:
-            self.fd = os.memfd_create("blockd-host-tier", os.MFD_CLOEXEC)
-        elif reuse and os.path.exists(path):
-            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            if os.fstat(self.fd).st_size != self.size:
-                os.ftruncate(self.fd, 0)  # another geometry: its slots mean nothing now
-                os.ftruncate(self.fd, self.size)
-            try:
-                os.posix_fallocate(self.fd, 0, self.size)
-            except OSError as exc:
-                raise ResourceExhausted(
-                    f"tiers.host_bytes: cannot reserve {self.size} bytes of memory for the "
-                    f"host tier: {exc.strerror or exc}", reason="memory",
-                    field="tiers.host_bytes") from None
-            self.map = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED,
-                                 mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self._view = memoryview(self.map)
+        self.fd, self.map = open_region(self.size, name="blockd-host-tier", path=path,
+                                        reuse=reuse, field="tiers.host_bytes",
+                                        what="host tier", missing_ok=True)
         if prefault:  # the first spill into a page would pay its fault (``pool.prefault``)
-            self.map.madvise(mmap.MADV_WILLNEED)
-            for off in range(0, self.size, mmap.PAGESIZE):
-                self._view[off] = self._view[off]
+            region.prefault(self.map, self.size)
+        self._view = memoryview(self.map)
 
     def _body(self, slot: int) -> memoryview:
         off = slot * self.stride + HEADER_BYTES
