@@ -121,8 +121,8 @@ class PartitionCoordinator:
 
     def set_event_sink(self, events: EventSink | None) -> None:
         """Every partition reports to ``events``; an ``AllBlocksCleared`` of one partition is
-        passed on only when no partition indexes a block any more (its removals were each
-        reported already)."""
+        passed on only when no partition indexes a block any more, in its pool or a lower tier
+        (its removals were each reported already)."""
         self._sink = events
         for m in self.managers.values():
             m.set_event_sink(None if events is None else self._forward)
@@ -130,7 +130,7 @@ class PartitionCoordinator:
     def _forward(self, event: CoreEvent) -> None:
         if self._sink is None:
             return
-        if isinstance(event, AllBlocksCleared) and self.num_indexed:
+        if isinstance(event, AllBlocksCleared) and (self.num_indexed or self.num_lower):
             return
         self._sink(event)
 

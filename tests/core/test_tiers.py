@@ -308,3 +308,27 @@ def test_a_reload_that_resizes_a_dedicated_partitions_tier_is_refused() -> None:
         c.set_tenants(bigger)
     assert getattr(err.value, "field", "") == "host_quota_bytes"
     assert c.tiers["tenant-ded"].host_slots == 2
+
+
+def test_all_blocks_cleared_waits_for_every_partitions_tiers() -> None:
+    """A flush that empties one partition announces AllBlocksCleared only once no partition
+    holds an entry in its pool or a lower tier."""
+    tenants = [TenantPolicy("shared-a", quota_blocks=2),
+               TenantPolicy("ded", quota_blocks=2, isolation=Isolation.DEDICATED,
+                            host_quota_bytes=2 * SLOT)]
+    c = PartitionCoordinator(PoolSpec(block_size=B, num_blocks=2), tenants,
+                             tiers=TierLimits(host_slots=4))
+    io_shared, io_ded = SimIO(), SimIO()
+    c.set_tier_io("shared", io_shared)
+    c.set_tier_io("tenant-ded", io_ded)
+    events: list[object] = []
+    c.set_event_sink(events.append)
+    a, x = c.open_session("shared-a"), c.open_session("ded")
+    ded = Driver(c, io_ded)
+    ded.run(x, toks(0, 5))
+    ded.run(x, toks(50, 5))  # ded: one prefix in its pool, one on its host tier
+    Driver(c, io_shared).run(a, toks(0, 5))
+    assert c.flush(tenant_id="shared-a") == 1
+    assert not [e for e in events if type(e).__name__ == "AllBlocksCleared"]
+    assert c.flush(tenant_id="ded") == 2
+    assert type(events[-1]).__name__ == "AllBlocksCleared"
