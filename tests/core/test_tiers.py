@@ -327,6 +327,10 @@ def test_all_blocks_cleared_waits_for_every_partitions_tiers() -> None:
     ded = Driver(c, io_ded)
     ded.run(x, toks(0, 5))
     ded.run(x, toks(50, 5))  # ded: one prefix in its pool, one on its host tier
+    c.begin_step(x, 9)
+    held = c.admit(x, SCOPE, toks(90, 8), cache=False)  # the whole pool: the other spills
+    assert not isinstance(held, DoesNotFit)
+    assert c.num_indexed == 0 and c.num_lower == 2  # ded's prefixes are only on its tier
     Driver(c, io_shared).run(a, toks(0, 5))
     assert c.flush(tenant_id="shared-a") == 1
     assert not [e for e in events if type(e).__name__ == "AllBlocksCleared"]
