@@ -435,7 +435,7 @@ class Config:
     tiers: TiersConfig = field(default_factory=TiersConfig)
 
     def __post_init__(self) -> None:
-        self.tiers.check_pool(self.pool.spec().slot_bytes, self.pool.backend)
+        self.tiers.check_pool(self.pool.spec().slot_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -53,16 +53,11 @@ class TiersConfig:
     def enabled(self) -> bool:
         return self.host_bytes > 0 or self.disk_bytes > 0
 
-    def check_pool(self, slot_bytes: int, backend: str) -> None:
+    def check_pool(self, slot_bytes: int) -> None:
         """Refuse tiers the pool cannot use: smaller than one of its blocks, or copy bounds
-        below one block, or a backend the tiers cannot copy from yet."""
+        below one block."""
         if not self.enabled:
             return
-        if backend != "host":
-            raise InvalidArgument(
-                f"tiers: the {backend} pool backend has no tiers yet (they copy through the "
-                "host pool's mapping; docs/tiers.md): set tiers.host_bytes and "
-                "tiers.disk_bytes to 0", field="tiers.host_bytes")
         for name in ("host_bytes", "disk_bytes", "max_spill_bytes_per_step",
                      "max_load_bytes_per_step"):
             value = getattr(self, name)

@@ -8,7 +8,9 @@
 #   3. every gpu-marked test: the files under tests/ with `pytest.mark.gpu` (the CUDA pool and
 #      its restart, the stream-ordered fences, the vLLM copies, the kernels, the end-to-end worker,
 #      the dedicated partitions), run with `-m gpu`, a JUnit report, and one summary line per file;
-#   4. bench/gpu_decode.py (paged decode against SDPA, and the split sweep at small batch);
+#   4. bench/gpu_decode.py (paged decode against SDPA, and the split sweep at small batch) and
+#      bench/gpu_tier_copies.py (the tiers' loads into the cuda pool against the link's peak,
+#      through pinned host memory; its log joins gpu_decode.log);
 #   5. the tenant-isolation suite (tests/security; mostly CPU-side: it runs in CI too), with the
 #      time that is left.
 #
@@ -26,9 +28,9 @@
 # `scripts/gpu_wheels.sh`, then run `OUT=$OUT bash scripts/gpu_check.sh` there with `.whl`
 # carried and a timeout above the budget.
 #
-# Outputs (at most 7 files: env.log, pytest.log, gpu_tests.xml, gpu_decode.log,
-# gpu_decode.json, isolation.log, gpu_check_summary.txt) go to ${OUT:-bench/results}. Each step
-# runs under `timeout`, at most its own limit and at most what is left of the budget; override a
+# Outputs (at most 8 files: env.log, pytest.log, gpu_tests.xml, gpu_decode.log,
+# gpu_decode.json, gpu_tiers.json, isolation.log, gpu_check_summary.txt) go to
+# ${OUT:-bench/results}. Each step runs under `timeout`, at most its own limit and at most what is left of the budget; override a
 # limit with STEP_TIMEOUT_<NAME> (seconds), e.g. STEP_TIMEOUT_PYTEST=400. Exits non-zero when any
 # step failed or did not run for want of time (the others still run).
 set -euo pipefail
@@ -39,7 +41,8 @@ OUT_DIR="${OUT:-bench/results}"
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 SUMMARY="$OUT_DIR/gpu_check_summary.txt"
-for f in env.log pytest.log gpu_tests.xml gpu_decode.log gpu_decode.json isolation.log; do
+for f in env.log pytest.log gpu_tests.xml gpu_decode.log gpu_decode.json gpu_tiers.json \
+         isolation.log; do
     rm -f "${OUT_DIR:?}/$f"
 done
 : >"$SUMMARY"
@@ -171,6 +174,8 @@ if [[ -f bench/gpu_decode.py ]]; then
 else
     echo "bench/gpu_decode.py not present; skipping the benchmark" | tee -a "$SUMMARY"
 fi
+run_step gpu_tiers gpu_decode.log 120 "$PY" bench/gpu_tier_copies.py \
+    --out "$OUT_DIR/gpu_tiers.json"
 
 # -- 5. tenant isolation (issue 14) ----------------------------------------------------------
 # Dedicated partitions on the cuda pool ran in step 3 (tests/security/test_gpu_partitions.py);

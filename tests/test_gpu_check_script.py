@@ -40,6 +40,8 @@ def test_without_a_gpu_the_preflight_fails_and_every_step_still_reports(tmp_path
         assert re.search(rf"^skipped {name} \(0 passed, 0 failed, [1-9]\d* skipped\)$",
                          summary, re.M), (name, summary)
     assert re.search(r"^ok      gpu_decode \(\d+s\)$", summary, re.M), summary
+    assert re.search(r"^ok      gpu_tiers \(\d+s\)$", summary, re.M), summary
+    assert "gpu_tier_copies: no usable CUDA device" in (tmp_path / "gpu_decode.log").read_text()
     assert "FAILED  isolation (exit 124, timed out after 1s)" in summary
     assert "gpu_check: FAILED: preflight isolation" in out.stdout
     assert "no usable CUDA device" in (tmp_path / "env.log").read_text()

@@ -45,6 +45,23 @@ class Pool(Protocol):
         order: for tests and inspection."""
         ...
 
+    def copy_out(self, block: int, out: memoryview) -> None:
+        """Every byte of ``block`` in every shard (``spec.slot_bytes``: shard by shard, runs in
+        plane order) into host ``out``, there when this returns: a spill to a tier."""
+        ...
+
+    def copy_in(self, block: int, data: memoryview) -> None:
+        """Overwrite every byte of ``block`` in every shard with host ``data`` (``copy_out``'s
+        layout), on the pool when this returns: a load from a tier."""
+        ...
+
+    def register_host(self, region: memoryview) -> bool:
+        """Pin a tier's host memory for this pool's copies (True if it was pinned; the host
+        pool needs none)."""
+        ...
+
+    def unregister_host(self, region: memoryview) -> None: ...
+
     def handle(self, epoch: int, fence_fd: int) -> tuple[wire.HandleHeader, list[int]]:
         """What the handle socket sends a session: its header and descriptors, in the order
         ``wire.HandleHeader.split_fds`` documents (the fds stay owned by the pool and the

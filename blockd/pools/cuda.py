@@ -347,6 +347,57 @@ class CudaPool:
             check(drv, drv.cuStreamSynchronize(s.stream), f"cuStreamSynchronize(device {s.device})")
         return bytes(out)
 
+    # -- the tiers' copies (blockd.runtime.tier_io) -----------------------------------------------
+
+    def copy_out(self, block: int, out: memoryview) -> None:
+        """Every byte of ``block`` on every shard into host ``out`` (``spec.slot_bytes``: shard
+        by shard, each shard's runs in plane order, as the host pool lays a block out), copied
+        on each shard's own stream; returns once those streams passed the copies (the daemon's
+        streams only, never the device nor a worker's)."""
+        self._copies(block, out, "cuMemcpyDtoHAsync", to_device=False)
+
+    def copy_in(self, block: int, data: memoryview) -> None:
+        """Overwrite every byte of ``block`` on every shard with host ``data`` (``copy_out``'s
+        layout), on each shard's own stream; returns once the bytes are on the devices."""
+        self._copies(block, data, "cuMemcpyHtoDAsync", to_device=True)
+
+    def _copies(self, block: int, host: memoryview, call: str, *, to_device: bool) -> None:
+        self._check_open()
+        runs = self.planes.block_runs(block)
+        if len(host) != len(runs) * self.run_bytes * len(self._shards):
+            raise ValueError(f"a block is {len(runs) * self.run_bytes * len(self._shards)} "
+                             f"bytes on the host, got {len(host)}")
+        base = ctypes.addressof(ctypes.c_char.from_buffer(host))
+        per_shard = len(runs) * self.run_bytes
+        drv = self._drv
+        fn = getattr(drv, call)
+        for i, shard in enumerate(self._shards):  # enqueued on every device, then waited for
+            with self._current(shard):
+                for j, (off, n) in enumerate(runs):
+                    hptr, dptr = base + i * per_shard + j * n, shard.ptr + off
+                    args = (dptr, hptr) if to_device else (hptr, dptr)
+                    check(drv, fn(*args, n, shard.stream), f"{call}(device {shard.device})")
+        self._sync_streams()
+
+    def register_host(self, region: memoryview) -> bool:
+        """Pin ``region`` (a tier's host memory) for the devices' DMA (``cuMemHostRegister``,
+        portable to every context), so its copies run at the link's speed instead of through
+        the driver's staging buffer. False (logged; the copies still work, slower) where the
+        runtime cannot pin a shared mapping (a sandboxed one, say)."""
+        drv = self._drv
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        flags = drv.CU_MEMHOSTREGISTER_PORTABLE
+        with self._current(self._shards[0]):
+            return cudadrv.logged(drv, drv.cuMemHostRegister(ptr, len(region), flags),
+                                  "cuMemHostRegister", log, "tier memory stays pageable")
+
+    def unregister_host(self, region: memoryview) -> None:
+        drv = self._drv
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        with self._current(self._shards[0]):
+            cudadrv.logged(drv, drv.cuMemHostUnregister(ptr), "cuMemHostUnregister", log,
+                           "tier memory")
+
     # -- what workers receive -------------------------------------------------------------------
 
     def handle(self, epoch: int, fence_fd: int) -> tuple[wire.HandleHeader, list[int]]:

@@ -91,6 +91,13 @@ class HostPool:
         src = np.frombuffer(data, dtype=np.uint8).reshape(p.num_planes, p.run_bytes)
         self._by_block()[:, block, :] = src
 
+    def register_host(self, region: memoryview) -> bool:
+        """Host memory needs no pinning for copies within it."""
+        return False
+
+    def unregister_host(self, region: memoryview) -> None:
+        pass
+
     def block_runs(self, block: int) -> list[tuple[int, int]]:
         """(offset, length) of each contiguous run of ``block``'s bytes."""
         return self.planes.block_runs(block)

@@ -19,7 +19,6 @@ from blockd.core.errors import ResourceExhausted
 from blockd.core.lower_tiers import DISK, HOST, bytes_per_slot
 from blockd.core.tier_io import RecordingIO, ReplayIO
 from blockd.pools.base import Pool
-from blockd.pools.host import HostPool
 from blockd.runtime.pool_set import build_pools, close_pools
 from blockd.runtime.tier_io import PoolTierIO, TierIOStats
 from blockd.tiers.base import TierStore
@@ -70,6 +69,8 @@ class Storage:
         self.stores: dict[str, dict[str, TierStore]] = {}
         self.recorders: dict[str, RecordingIO] = {}
         self.stats = TierIOStats()
+        #: Host tier memory registered with a cuda pool (unregistered before it is closed).
+        self._pinned: list[tuple[Pool, memoryview]] = []
         try:
             for name, limits in parts.tiers.items():
                 if not limits.enabled:
@@ -85,8 +86,10 @@ class Storage:
                     stores[DISK] = DiskTierStore(cfg.tiers.disk_path, name, limits.disk_slots,
                                                  slot_bytes, reuse)
                 pool = self.pools[name]
-                if not isinstance(pool, HostPool):  # config refuses it; a guard
-                    raise TypeError(f"tiers need the host pool backend, not {pool!r}")
+                for store in stores.values():
+                    region = store.host_region()
+                    if region is not None and pool.register_host(region):
+                        self._pinned.append((pool, region))
                 self.recorders[name] = RecordingIO(PoolTierIO(pool, stores, self.stats, name))
         except BaseException:
             self.close()
@@ -114,6 +117,9 @@ class Storage:
         return tuple(recorder.take_failures()) if recorder is not None else ()
 
     def close(self) -> None:
+        for pool, region in self._pinned:
+            pool.unregister_host(region)
+        self._pinned = []
         for stores in self.stores.values():
             for store in stores.values():
                 store.close()

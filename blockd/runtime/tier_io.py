@@ -1,10 +1,12 @@
-"""The daemon's ``TierIO`` (``blockd.core.tier_io``): copies between a host pool and its tiers.
+"""The daemon's ``TierIO`` (``blockd.core.tier_io``): copies between a pool and its tiers.
 
-Synchronous, on the daemon's loop, bounded per Step by the core (``TierLimits``): a spill gathers
-the block's runs from the pool mapping straight into the slot (host) or a buffer (disk), a load
-checks the slot (``blockd.tiers.slot``) and scatters it into the pool block. Nothing a worker
-maps is written except a load's target block, which no kernel reads before the admit's answer
-names it. An ``OSError`` of a store is a failed copy (False, counted by kind); it never
+Synchronous, on the daemon's loop, bounded per Step by the core (``TierLimits``): a spill copies
+the block's runs out of the pool straight into the slot (host) or a buffer (disk), a load checks
+the slot (``blockd.tiers.slot``) and copies it into the pool block. On the host pool these are
+numpy copies through its mapping; on the cuda pool, copies on the daemon's own stream of each
+device between pinned host memory and the VMM allocation, waited for on those streams. Nothing
+a worker maps is written except a load's target block, which no kernel reads before the admit's
+answer names it. An ``OSError`` of a store is a failed copy (False, counted by kind); it never
 escapes into the Step.
 
 ``TierIOStats`` counts what moved, per tier, and times every load and spill (Prometheus
@@ -19,10 +21,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from blockd import logs
-from blockd.pools.host import HostPool
+from blockd.core.errors import BlockdError
+from blockd.pools.base import Pool
 from blockd.tiers.base import TierStore
 
 log = logging.getLogger("blockd.tiers")
+
+#: What a copy may raise that only fails it: a store's I/O error, a pool's copy error (a CUDA
+#: call that failed is a ``BlockdError``; a bad size a ``ValueError``).
+COPY_ERRORS = (OSError, BlockdError, ValueError)
 
 #: Upper bounds of the copy-latency histograms, seconds (a 64 KiB block is ~10 us in memory).
 LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
@@ -62,18 +69,19 @@ class TierIOStats:
 class PoolTierIO:
     """Moves one partition's blocks between its host pool and its tier stores."""
 
-    def __init__(self, pool: HostPool, stores: dict[str, TierStore], stats: TierIOStats,
+    def __init__(self, pool: Pool, stores: dict[str, TierStore], stats: TierIOStats,
                  partition: str) -> None:
         self.pool = pool
         self.stores = stores
         self.stats = stats
         self.partition = partition
 
-    def _failed(self, kind: str, exc: OSError | None = None) -> bool:
+    def _failed(self, kind: str, exc: Exception | None = None) -> bool:
         self.stats.errors[kind] += 1
         if exc is not None:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             log.warning("tier copy failed", extra=logs.fields(
-                partition=self.partition, kind=kind, error=exc.strerror or str(exc)))
+                partition=self.partition, kind=kind, error=why))
         return False
 
     def spill(self, block: int, tier: str, slot: int, serial: int, key: bytes) -> bool:
@@ -82,7 +90,7 @@ class PoolTierIO:
         try:
             self.pool.copy_out(block, store.begin_write(slot))
             store.end_write(slot, serial, key)
-        except OSError as exc:
+        except COPY_ERRORS as exc:
             return self._failed(f"{tier}_write", exc)
         self.stats.bytes_written[tier] += store.slot_bytes
         self.stats.timed(self.stats.spill_seconds, tier, t0)
@@ -97,7 +105,10 @@ class PoolTierIO:
             return self._failed(f"{tier}_read", exc)
         if data is None:
             return self._failed(f"{tier}_check")
-        self.pool.copy_in(block, data)
+        try:
+            self.pool.copy_in(block, data)  # cut short: the block is computed, never served
+        except COPY_ERRORS as exc:
+            return self._failed(f"{tier}_read", exc)
         self.stats.bytes_read[tier] += store.slot_bytes
         self.stats.timed(self.stats.load_seconds, tier, t0)
         return True

@@ -37,6 +37,11 @@ class TierStore(Protocol):
         """Erase the slot (header and bytes)."""
         ...
 
+    def host_region(self) -> memoryview | None:
+        """The store's whole host memory, to pin for a cuda pool's copies (None: nothing to
+        pin, e.g. the disk store, whose one-slot buffer is copied through the driver)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -108,6 +108,9 @@ class DiskTierStore:
             return None
         return body
 
+    def host_region(self) -> memoryview | None:
+        return None
+
     def scrub(self, slot: int) -> None:
         """Zeros over the whole slot (written, not deallocated: the slot stays reserved, so
         a later write cannot find the disk full)."""

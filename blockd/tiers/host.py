@@ -76,6 +76,9 @@ class HostTierStore:
             return None
         return body
 
+    def host_region(self) -> memoryview | None:
+        return self._view
+
     def scrub(self, slot: int) -> None:
         off = slot * self.stride
         self._view[off:off + self.stride] = bytes(self.stride)
