@@ -33,8 +33,8 @@ import fairness  # noqa: E402
 
 from blockd import config  # noqa: E402
 from blockd.api.v1 import blockd_pb2 as pb  # noqa: E402
-from blockd.runtime import startup as runtime  # noqa: E402
 from blockd.runtime import packed  # noqa: E402
+from blockd.runtime import startup as runtime  # noqa: E402
 from blockd.server.servicer import LOOKUP_TOKEN_IDS  # noqa: E402
 
 
