@@ -271,7 +271,8 @@ def test_header_split_fds_documents_the_order() -> None:
 # -- the pools' side: the Pool protocol, the header they make, the fence page --------------------
 
 
-POOL_MEMBERS = ("medium", "size", "zero_blocks", "read_block", "handle", "close", "spec")
+POOL_MEMBERS = ("medium", "size", "zero_blocks", "read_block", "copy_out", "copy_in",
+                "register_host", "unregister_host", "handle", "close", "spec")
 
 
 def test_both_pools_have_every_member_of_the_pool_protocol() -> None:
@@ -279,7 +280,8 @@ def test_both_pools_have_every_member_of_the_pool_protocol() -> None:
         Pool.__annotations__)
     assert declared == set(POOL_MEMBERS)
     for cls in (HostPool, CudaPool):
-        for name in ("zero_blocks", "read_block", "handle", "close"):
+        for name in ("zero_blocks", "read_block", "copy_out", "copy_in", "register_host",
+                     "unregister_host", "handle", "close"):
             assert callable(getattr(cls, name)), (cls, name)
     pool = HostPool(_spec(tp_size=2))
     try:
