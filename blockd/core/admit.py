@@ -41,11 +41,8 @@ def admit(m: BlockManager, session: Session, ns: Namespace, raw: bytes, cache: b
     hits: list[int] = []
     lower: list[int] = []
     if cache:
-        max_hit = (length - 1) // B
-        hits = index.match(ns.id, ns.root_key, raw, max_hit, session.pending)
-        if len(hits) < max_hit and tiers.enabled:
-            last = index.serial[hits[-1]] if hits else 0
-            lower = tiers.match(ns.id, ns.root_key, raw, len(hits), max_hit, last)
+        hits, lower = tiers.match_prefix(ns.id, ns.root_key, raw, (length - 1) // B,
+                                         session.pending, in_step=True)
     need = -(-length // B) - len(hits)
     admission = m.admission
     verdict = (admission.limits(session.tenant, 1, need + len(hits), B)

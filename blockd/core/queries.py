@@ -137,18 +137,10 @@ class CoreQueries:
             return 0
         ns = self._namespace(scope, session.tenant)
         try:
-            max_hit = (length - 1) // self.block_size
-            hits = self.index.match(ns.id, ns.root_key, raw, max_hit, session.pending)
-            found = len(hits)
-            tiers = self.tiers
-            if found < max_hit and tiers.enabled:
-                last = self.index.serial[hits[-1]] if hits else 0
-                # What an admit would load, within one Step's load budget.
-                below = tiers.match(ns.id, ns.root_key, raw, found,
-                                    min(max_hit, found + tiers.limits.max_load_blocks), last,
-                                    budget=False)
-                found += len(below)
-            return found * self.block_size
+            hits, below = self.tiers.match_prefix(ns.id, ns.root_key, raw,
+                                                  (length - 1) // self.block_size,
+                                                  session.pending, in_step=False)
+            return (len(hits) + len(below)) * self.block_size
         finally:
             self.namespaces.release_if_unused(ns)
 

@@ -37,7 +37,7 @@ from blockd.core.blocks import BlockArrays
 from blockd.core.events import BlockRemoved, BlockStored, EventSink
 from blockd.core.lower_tiers import DISK, HOST, LowerTiers, TierShape
 from blockd.core.namespace import NamespaceTable, namespace_label
-from blockd.core.prefix_index import PrefixIndex
+from blockd.core.prefix_index import PendingHits, PrefixIndex
 from blockd.core.results import Counters, TierUsage
 from blockd.core.tenants import TenantPolicy, TenantTable
 from blockd.core.tier_io import TierIO
@@ -226,19 +226,36 @@ class Tiering:
 
     # -- hits ---------------------------------------------------------------------------------
 
-    def match(self, ns_id: int, root_key: bytes, token_bytes: bytes, start: int,
-              max_blocks: int, prev_serial: int, budget: bool = True) -> list[int]:
+    def match_prefix(self, ns_id: int, root_key: bytes, token_bytes: bytes, max_blocks: int,
+                     pending: PendingHits | None, *, in_step: bool
+                     ) -> tuple[list[int], list[int]]:
+        """The prompt's longest verified cached prefix (at most ``max_blocks`` blocks): the
+        pool blocks holding its start (with the session's ``pending`` commits:
+        ``PrefixIndex.match``), then the lower slots holding what follows. ``in_step``: an
+        admit, bound by what is left of the Step's load budget (and counting what it cuts);
+        otherwise a Lookup, told what one Step could load."""
+        hits = self.index.match(ns_id, root_key, token_bytes, max_blocks, pending)
+        if len(hits) >= max_blocks or not self.enabled:
+            return hits, []
+        last = self.index.serial[hits[-1]] if hits else 0
+        loads = self._loads_left if in_step else self.limits.max_load_blocks
+        return hits, self._match_lower(ns_id, root_key, token_bytes, len(hits), max_blocks,
+                                       last, max(0, loads), count_cut=in_step)
+
+    def _match_lower(self, ns_id: int, root_key: bytes, token_bytes: bytes, start: int,
+                     max_blocks: int, prev_serial: int, loads: int, count_cut: bool
+                     ) -> list[int]:
         """Lower slots holding blocks ``start..`` of the prompt's verified prefix (at most
-        ``max_blocks - start`` of them, and the Step's load budget with ``budget``), after
-        ``start`` blocks found in the pool, the last of which has serial ``prev_serial`` (0: a
-        session's pending commit, which has none yet, so nothing below can be its child)."""
+        ``max_blocks - start`` and ``loads`` of them), after ``start`` blocks found in the
+        pool, the last of which has serial ``prev_serial`` (0: a session's pending commit,
+        which has none yet, so nothing below can be its child)."""
         lower = self.lower
-        if (lower is None or self.io is None or not len(lower) or start >= max_blocks
+        if (lower is None or not len(lower) or start >= max_blocks
                 or (start and not prev_serial)):
             return []
         index = self.index
         prev = prev_serial
-        stop = max_blocks if not budget else min(max_blocks, start + max(0, self._loads_left))
+        stop = min(max_blocks, start + loads)
         step = index.chunk_bytes
         h = index.new_stream(root_key)
         if start:
@@ -261,7 +278,7 @@ class Tiering:
             out.append(s)
             prev = lower.serial[s]
         else:
-            if stop < max_blocks:  # cut short by the Step's load budget: was there more?
+            if count_cut and stop < max_blocks:  # cut short by the budget: was there more?
                 h.update(token_bytes[stop * step:(stop + 1) * step])
                 if find(h.digest()) is not None:
                     self.counters.tier_loads_skipped["budget"] += 1

@@ -96,15 +96,23 @@ class PoolTierIO:
         self.stats.timed(self.stats.spill_seconds, tier, t0)
         return True
 
+    def _checked(self, tier: str, slot: int, serial: int, key: bytes) -> memoryview | None:
+        """The slot's bytes if they pass their check; else None, the failure counted."""
+        try:
+            data = self.stores[tier].checked_view(slot, serial, key)
+        except OSError as exc:
+            self._failed(f"{tier}_read", exc)
+            return None
+        if data is None:
+            self._failed(f"{tier}_check")
+        return data
+
     def load(self, tier: str, slot: int, block: int, serial: int, key: bytes) -> bool:
         store = self.stores[tier]
         t0 = time.perf_counter()
-        try:
-            data = store.checked_view(slot, serial, key)
-        except OSError as exc:
-            return self._failed(f"{tier}_read", exc)
+        data = self._checked(tier, slot, serial, key)
         if data is None:
-            return self._failed(f"{tier}_check")
+            return False
         try:
             self.pool.copy_in(block, data)  # cut short: the block is computed, never served
         except COPY_ERRORS as exc:
@@ -117,12 +125,9 @@ class PoolTierIO:
              key: bytes) -> bool:
         src, dst = self.stores[src_tier], self.stores[dst_tier]
         t0 = time.perf_counter()
-        try:
-            data = src.checked_view(src_slot, serial, key)
-        except OSError as exc:
-            return self._failed(f"{src_tier}_read", exc)
+        data = self._checked(src_tier, src_slot, serial, key)
         if data is None:
-            return self._failed(f"{src_tier}_check")
+            return False
         try:
             dst.begin_write(dst_slot)[:] = data
             dst.end_write(dst_slot, serial, key)

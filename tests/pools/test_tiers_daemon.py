@@ -10,13 +10,18 @@ blocks). The pool has 8 blocks of 4 tokens; each 14-token prompt holds 4 of them
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from cli_support import clean_env, run_refused, write_config
 from daemon_proc import kill9, restart, start
+from test_blockctl import ctl
 from test_shared_pool import run_worker
 
 from blockd.tiers.base import round_up
@@ -46,6 +51,13 @@ def test_an_evicted_prefix_comes_back_from_host_memory_with_its_bytes(tmp_path: 
         assert b["pattern_ok"] and b["digests"] == a["digests"][:3]
         assert d.metric('blockd_tier_hit_tokens_total{tier="host"}') >= 12
         assert d.metric('blockd_tier_loaded_blocks_total{tier="host"}') >= 3
+        # blockctl stats shows the tier: its slots, what it holds, what it served.
+        out = ctl(d, "stats").stdout
+        assert "tiers below the pool" in out
+        (row,) = [line.split() for line in out.splitlines() if line.startswith("host ")]
+        assert int(row[2]) == 32 and int(row[1]) >= 3 and int(row[5]) >= 12
+        (tier,) = json.loads(ctl(d, "--json", "stats").stdout)["tiers"]
+        assert tier["tier"] == "host" and tier["num_slots"] == "32"
         # Another tenant's worker, private sharing: none of it, whatever tier holds it.
         c = run_worker(d, "read", "bob", "globex", P)
         assert c["cached"] == 0
@@ -167,3 +179,31 @@ def test_kill_9_in_the_middle_of_spills_and_demotions_never_serves_a_bad_slot(
         for p in state.glob("*"):
             p.unlink()
         state.rmdir()
+
+
+@pytest.mark.parametrize("bad", [-1, "1G", True, 2.5])
+def test_a_bad_tier_quota_is_refused_naming_it_and_a_reload_keeps_the_tenants(
+        tmp_path: Path, bad: object) -> None:
+    from daemon_proc import TENANTS
+
+    from blockd.core.errors import InvalidArgument
+    from blockd.runtime import tenants_file
+
+    tenants = copy.deepcopy(TENANTS)
+    tenants["tenants"][0]["host_quota_bytes"] = bad
+    with pytest.raises(InvalidArgument) as err:
+        tenants_file.parse(tenants)
+    assert err.value.field == "tenants[0].host_quota_bytes"
+    if bad != -1:
+        return  # one daemon for the reload: the same refusal path for every value
+    with start(tmp_path, num_blocks=8, extra={"tiers": {"host_bytes": 8 * SLOT}}) as d:
+        before = json.loads(ctl(d, "--json", "tenants").stdout)
+        d.tenants_path.write_text(yaml.safe_dump(tenants))
+        d.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "tenants reload failed" not in d.log_text():
+            assert time.monotonic() < deadline, d.log_text()
+            time.sleep(0.05)
+        assert "host_quota_bytes" in d.log_text()
+        assert json.loads(ctl(d, "--json", "tenants").stdout) == before
+        assert run_worker(d, "write", "alice", "acme", P)["committed"] == 3  # still serving
