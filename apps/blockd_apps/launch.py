@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import MutableSequence
+from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,15 +47,17 @@ def terminate(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
 
 
 def spawn(config: Path, cwd: Path, *, ready_timeout: float = 30.0,
-          lines: MutableSequence[str] | None = None) -> Launched:
+          lines: MutableSequence[str] | None = None,
+          preexec_fn: Callable[[], object] | None = None) -> Launched:
     """``python -m blockd_apps serve --config CONFIG``; returns once it printed BLOCKD_READY.
 
     ``BLOCKD_*`` variables of this process are not passed on: they would override the file.
+    ``preexec_fn`` runs in the child before the daemon (e.g. a lower RLIMIT_NOFILE).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLOCKD_")}
     proc = subprocess.Popen([*DAEMON_COMMAND, "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=cwd, env=env)
+                            cwd=cwd, env=env, preexec_fn=preexec_fn)
     out: MutableSequence[str] = [] if lines is None else lines
     assert proc.stdout is not None
     endpoints = None

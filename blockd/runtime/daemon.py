@@ -32,7 +32,7 @@ from blockd.core.ids import SequenceIds
 from blockd.core.tenants import SHARED_PARTITION, partition_layout
 from blockd.core.tiering import TierLimits
 from blockd.pools.base import Pool
-from blockd.runtime import convert, stats, step, tenants_file
+from blockd.runtime import convert, fds, stats, step, tenants_file
 from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key
 from blockd.runtime.events import EventLog
 from blockd.runtime.journal_records import FlushRecord, TenantsRecord
@@ -73,11 +73,13 @@ class Daemon:
         self.ids = SequenceIds()
         #: Failed Step operations and batch entries, by status name (a bounded label set).
         self.op_errors: Counter[str] = Counter()
+        layout = partition_layout(self.tenants.tenants, self.spec.num_blocks)
+        #: RLIMIT_NOFILE raised and budgeted: limits it cannot meet are refused here.
+        self.fds = fds.FdBudget.at_start(cfg, self.tenants.tenants, len(layout))
         self.recovery = Recovery(self._state_store(),
                                  snapshot_min_bytes=cfg.state.snapshot_min_bytes,
                                  reserve_bytes=cfg.state.reserve_bytes)
         store = self.recovery.store
-        layout = partition_layout(self.tenants.tenants, self.spec.num_blocks)
         check_machine(cfg)  # before any tier is built (its index takes memory too)
         host, disk, spills, loads = cfg.tiers.limits(self.spec.slot_bytes)
         limits = TierLimits(host_slots=host, disk_slots=disk, max_spill_blocks=spills,
@@ -110,7 +112,7 @@ class Daemon:
         self.medium = self.pool.medium
         self.sessions = Sessions(self.manager, epoch=self.epoch, tenants=self.tenants,
                                  lease=cfg.lease, max_sessions=sc.max_sessions, store=store,
-                                 record=self.recovery.record)
+                                 record=self.recovery.record, fd_budget=self.fds)
         self._resumed = saved is not None and bool(saved.sessions)
         for s in saved.sessions if saved is not None else ():
             self.sessions.restore(s)
@@ -216,6 +218,7 @@ class Daemon:
         (``Sessions.revoke``), and a removed tenant's private prefixes are flushed."""
         fresh = fresh or self._load_tenants()
         self.partitions.check_tenants(fresh.tenants)  # nothing changes on a refusal
+        self.fds.check(self.cfg, fresh.tenants)
         revoked = self.sessions.revocations(fresh)
         for info, reason in revoked:
             self.sessions.revoke(info, reason)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -26,6 +26,7 @@ from blockd.config import LeaseConfig
 from blockd.core.contract import KVManager
 from blockd.core.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 from blockd.pools.fences import FencePage
+from blockd.runtime import fds
 from blockd.runtime.journal_records import (
     AttachRecord,
     DetachRecord,
@@ -71,7 +72,8 @@ class Sessions:
 
     def __init__(self, manager: KVManager, *, epoch: int, tenants: TenantsFile,
                  lease: LeaseConfig, max_sessions: int, store: StateStore | None,
-                 record: Callable[[Record], None]) -> None:
+                 record: Callable[[Record], None], fd_budget: fds.FdBudget | None = None
+                 ) -> None:
         self.m = manager
         self.epoch = epoch
         #: Credentials (and the tenants they may act for); replaced by a reload.
@@ -80,7 +82,11 @@ class Sessions:
         self.max_sessions = max_sessions
         self.store = store
         self.record = record
+        #: What sessions may take of the process's file descriptors (``blockd.runtime.fds``).
+        self.fd_budget = fd_budget
         self._by_id: dict[str, SessionInfo] = {}
+        #: Attached sessions by tenant (each tenant's share of the descriptors).
+        self._per_tenant: Counter[str] = Counter()
         #: Closed revoked sessions -> why (the last ``MAX_REVOKED``): their next call says why.
         self._revoked: dict[str, str] = {}
         #: Seconds the daemon itself did not run (see ``now``), and the reaper's last run (or
@@ -186,6 +192,8 @@ class Sessions:
             return info
         if len(self._by_id) >= self.max_sessions:
             raise ResourceExhausted("the daemon's session limit is reached", reason="sessions")
+        if self.fd_budget is not None:
+            self.fd_budget.admit(tenant_id, self._per_tenant)
         info = self.open(None, tenant_id, principal.name, worker_name, lease)
         self.record(AttachRecord(info.id, info.tenant_id, info.owner, info.worker_name, lease))
         log.info("session attached", extra=logs.fields(tenant=tenant_id, worker=worker_name,
@@ -194,9 +202,18 @@ class Sessions:
 
     def open(self, sid: str | None, tenant_id: str, owner: str, worker_name: str,
              lease_ms: int) -> SessionInfo:
-        """Open the core session too (an attach, or its journal record replayed)."""
+        """Open the core session too (an attach, or its journal record replayed). A fence page
+        that cannot be opened for want of descriptors is RESOURCE_EXHAUSTED ``fds``, and the
+        core session is closed again: nothing changed."""
         sid = self.m.open_session(tenant_id, sid)
-        return self._add(sid, tenant_id, owner, worker_name, lease_ms)
+        try:
+            return self._add(sid, tenant_id, owner, worker_name, lease_ms)
+        except OSError as exc:
+            self.m.close_session(sid)
+            refusal = fds.exhausted(exc)
+            if refusal is None:
+                raise
+            raise refusal from None
 
     def restore(self, saved: SavedSession) -> None:
         """A session of a snapshot (the core session is in the manager's snapshot). A
@@ -229,6 +246,7 @@ class Sessions:
         info = SessionInfo(sid, tenant_id, owner, worker_name, lease_ms,
                            self.now() + lease_ms / 1000, fence_page=page)
         self._by_id[sid] = info
+        self._per_tenant[tenant_id] += 1
         return info
 
     def renew(self, info: SessionInfo) -> None:
@@ -244,6 +262,7 @@ class Sessions:
             self.poll_fence(info)
         released = self.m.close_session(info.id)
         del self._by_id[info.id]
+        self._per_tenant[info.tenant_id] -= 1
         if info.revoked:
             self._revoked[info.id] = info.revoked
             if len(self._revoked) > MAX_REVOKED:

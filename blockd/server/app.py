@@ -33,6 +33,7 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config, ServerConfig
 from blockd.core.errors import FailedPrecondition, Internal
 from blockd.pools.handles import HandleServer
+from blockd.runtime import fds
 from blockd.runtime import startup as runtime
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.kv_events import KvEventPublisher
@@ -77,12 +78,15 @@ def check_invariants(daemon: Daemon, metrics: Metrics) -> None:
         log.error("invariant violated", extra=logs.fields(error=exc.message))
 
 
-def _grpc_server(sc: ServerConfig, servicer: BlockdServicer
+def _grpc_server(sc: ServerConfig, servicer: BlockdServicer, connections: int
                  ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """``connections``: the most gRPC connections open at once (``fds.grpc_connections``):
+    beyond, gRPC closes a new one at accept, so no flood of them exhausts the descriptors."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", connections),
     ])
     add_to_server(servicer, server)  # Step, StepStream, Lookup: parsed in their turn
     if sc.enable_echo:
@@ -169,7 +173,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             stack.callback(daemon.events.remove_listener, publisher.submit)
         tasks: list[asyncio.Task[None]] = []
         stack.callback(lambda: [t.cancel() for t in tasks])  # after the server's last second
-        server, health_servicer = _grpc_server(sc, servicer)
+        server, health_servicer = _grpc_server(
+            sc, servicer, fds.grpc_connections(cfg, daemon.tenants.tenants))
         stack.push_async_callback(server.stop, 1.0)
 
         endpoints = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,8 @@ class Daemon:
 
 
 def start(workdir: Path, *, num_blocks: int = 64, lease_ms: int = 10_000,
-          extra: dict[str, Any] | None = None, tenants: dict[str, Any] | None = None) -> Daemon:
+          extra: dict[str, Any] | None = None, tenants: dict[str, Any] | None = None,
+          preexec_fn: Callable[[], object] | None = None) -> Daemon:
     workdir.mkdir(parents=True, exist_ok=True)
     tenants_path = workdir / "tenants.yaml"
     tenants_path.write_text(yaml.safe_dump(tenants or TENANTS))
@@ -124,7 +126,7 @@ def start(workdir: Path, *, num_blocks: int = 64, lease_ms: int = 10_000,
         cfg.setdefault(section, {}).update(values)
     cfg_path = workdir / "blockd.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    launched = spawn(cfg_path, workdir)
+    launched = spawn(cfg_path, workdir, preexec_fn=preexec_fn)
     return Daemon(launched.proc, launched.endpoints, workdir, tenants_path, launched.lines)
 
 
