@@ -207,7 +207,7 @@ MANAGER_API = {name for name in vars(KVManager) if not name.startswith("_")}
 #: ``TierIO`` and snapshots (never a partition's ``BlockManager``).
 COORDINATOR_API = MANAGER_API | {"spec", "layout", "specs", "partition_of_tenant",
                                  "partition_of_session", "state_counts_of", "check_tenants", "dump",
-                                 "load", "tiers", "set_tier_io"}
+                                 "load", "tiers", "set_tier_io", "set_partition_listener"}
 #: Names the runtime, server and apps give a manager, and the coordinator.
 MANAGER_NAMES = {"manager", "m"}
 COORDINATOR_NAMES = {"partitions", "parts"}

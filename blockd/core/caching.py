@@ -288,6 +288,7 @@ class PrefixCache:
         parent = index.parent[b]
         parent_key = index.key_of(parent) if parent >= 0 else None
         tokens = index.tokens_of(b)
+        first = index.parent_serial[b] == 0
         return BlockStored(b, index.key_of(b) or b"", parent_key or b"", tokens or b"",
                            namespace_label(ns), ns.fields.lora_id or "",
-                           ns.fields.sharing_domain)
+                           ns.fields.sharing_domain, root_key=ns.root_key if first else b"")

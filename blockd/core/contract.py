@@ -114,6 +114,17 @@ class KVManager(Protocol):
 
     def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int: ...
 
+    def namespace_keys(self, tenant_id: str, scope: PrefixScope) -> tuple[bytes, bytes]:
+        """(canonical bytes, root key) of the namespace a request of the tenant with ``scope``
+        gets."""
+        ...
+
+    def adopt_remote(self, tenant_id: str, scope: PrefixScope, tokens: bytes, start: int,
+                     count: int) -> int:
+        """Fetched blocks ``start..start+count-1`` of a prompt join the tenant's lower tier
+        (their bytes staged in the partition's ``TierIO``); returns how many joined."""
+        ...
+
     def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]: ...
 
     def inspect(self, session_id: str, seq_id: str, start: int = 0,

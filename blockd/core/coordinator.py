@@ -20,9 +20,10 @@ remove or resize a dedicated partition, or move a tenant between partitions, is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from collections.abc import Sequence as Seq
 
 from blockd.core import snapshot
@@ -48,6 +49,9 @@ from blockd.core.spec import PoolSpec
 from blockd.core.tenants import SHARED_PARTITION, TenantPolicy, partition_layout
 from blockd.core.tier_io import TierIO
 from blockd.core.tiering import TierLimits
+
+#: Hears (partition name, event) of every partition (``set_partition_listener``).
+PartitionListener = Callable[[str, CoreEvent], None]
 
 __all__ = ["PartitionCoordinator"]
 
@@ -92,6 +96,7 @@ class PartitionCoordinator:
         self.managers = managers
         self._session_partition: dict[str, str] = {}
         self._sink: EventSink | None = None
+        self._listener: PartitionListener | None = None
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -124,10 +129,22 @@ class PartitionCoordinator:
         passed on only when no partition indexes a block any more, in its pool or a lower tier
         (its removals were each reported already)."""
         self._sink = events
-        for m in self.managers.values():
-            m.set_event_sink(None if events is None else self._forward)
+        self._wire()
 
-    def _forward(self, event: CoreEvent) -> None:
+    def set_partition_listener(self, listener: PartitionListener | None) -> None:
+        """``listener(partition, event)`` hears every partition's events first (what the
+        remote tier publishes needs to know whose block an id is)."""
+        self._listener = listener
+        self._wire()
+
+    def _wire(self) -> None:
+        for name, m in self.managers.items():
+            m.set_event_sink(None if self._sink is None and self._listener is None
+                             else functools.partial(self._forward, name))
+
+    def _forward(self, partition: str, event: CoreEvent) -> None:
+        if self._listener is not None:
+            self._listener(partition, event)
         if self._sink is None:
             return
         if isinstance(event, AllBlocksCleared) and (self.num_indexed or self.num_lower):
@@ -251,10 +268,17 @@ class PartitionCoordinator:
         return sum(m.flush(model_id=model_id, model_revision=model_revision, lora_id=lora_id)
                    for m in self.managers.values())
 
+    def adopt_remote(self, tenant_id: str, scope: PrefixScope, tokens: bytes, start: int,
+                     count: int) -> int:
+        return self.of_tenant(tenant_id).adopt_remote(tenant_id, scope, tokens, start, count)
+
     # -- queries -------------------------------------------------------------------------------
 
     def lookup(self, session_id: str, scope: PrefixScope, tokens: bytes | Seq[int]) -> int:
         return self.of_session(session_id).lookup(session_id, scope, tokens)
+
+    def namespace_keys(self, tenant_id: str, scope: PrefixScope) -> tuple[bytes, bytes]:
+        return self.of_tenant(tenant_id).namespace_keys(tenant_id, scope)
 
     def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]:
         return self.of_session(session_id).block_table(session_id, seq_id)

@@ -38,6 +38,11 @@ class BlockStored:
     sharing_domain: str
     #: ``POOL`` (``block`` is a pool block id) or a lower tier (``block`` is its slot id).
     tier: str = POOL
+    #: The namespace's 16-byte root key if this is the first block of its prefix (its parent
+    #: serial is 0), else b"": with ``parent_key`` it places the block in its chain for
+    #: what derives keys of its own from the chain (the remote tier). Never sent to
+    #: subscribers (``blockd.runtime.events`` copies the fields they get).
+    root_key: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -435,6 +435,20 @@ class BlockManager(CoreQueries):
         return self.cache.flush(self.namespaces.matching(model_id, model_revision, lora_id),
                                 owner_slot)
 
+    def adopt_remote(self, tenant_id: str, scope: PrefixScope, tokens: bytes, start: int,
+                     count: int) -> int:
+        """Blocks ``start..start+count-1`` of prompt ``tokens`` (uint32 LE), fetched from the
+        remote tier and checked by the runtime, join the lower tiers as the tenant's entries
+        after the prompt's verified prefix (``Tiering.adopt``); returns how many."""
+        slot = self.tenants.slot(tenant_id)
+        if not self.enable_prefix_cache:
+            return 0
+        ns = self._namespace(scope, slot)
+        try:
+            return self.tiers.adopt(ns.id, ns.root_key, tokens, slot, start, count)
+        finally:
+            self.namespaces.release_if_unused(ns)
+
     def take_scrubbed(self) -> list[int]:
         """Blocks that must be zeroed before the worker uses them (drained by the runtime)."""
         return self.admission.take_scrubbed()

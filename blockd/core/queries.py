@@ -144,6 +144,17 @@ class CoreQueries:
         finally:
             self.namespaces.release_if_unused(ns)
 
+    def namespace_keys(self, tenant_id: str, scope: PrefixScope) -> tuple[bytes, bytes]:
+        """The canonical encoding of the namespace a request of ``tenant_id`` with ``scope``
+        gets (its fields and the tenant's sharing domain: what remote keys derive from) and
+        its root key (what ``BlockStored.root_key`` names it by)."""
+        slot = self.tenants.slot(tenant_id)
+        ns = self._namespace(scope, slot)
+        try:
+            return ns.canonical, ns.root_key
+        finally:
+            self.namespaces.release_if_unused(ns)
+
     def block_table(self, session_id: str, seq_id: str) -> tuple[list[int], int]:
         """(block ids, number of tokens) of a sequence of this session."""
         seq = self._sequence(self._session(session_id), seq_id)

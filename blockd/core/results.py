@@ -116,6 +116,11 @@ class Counters:
     tier_loads_skipped: Counter[str] = field(default_factory=Counter)
     #: Slot writes that failed (``<tier>_write``).
     tier_errors: Counter[str] = field(default_factory=Counter)
+    #: Blocks fetched from outside the node (the remote tier) that joined each lower tier.
+    tier_adopted_blocks: Counter[str] = field(default_factory=Counter)
+    #: Fetched blocks that did not join, by why: ``gap`` (the prefix before them left),
+    #: ``key_taken``, ``no_room``.
+    tier_adopt_skipped: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,12 @@ class TierIO(Protocol):
         """Erase a slot whose entry was dropped (its tenant asked for scrub-on-reuse)."""
         ...
 
+    def store(self, tier: str, slot: int, source: int, serial: int, key: bytes) -> bool:
+        """Write bytes from outside the node (the remote tier's fetch) into ``slot``:
+        ``source`` numbers them among what the runtime staged for this call of
+        ``Tiering.adopt`` (already checked by the runtime); False if not written."""
+        ...
+
 
 class RecordingIO:
     """A live ``TierIO`` that numbers its calls and remembers which failed (for the journal)."""
@@ -83,6 +89,9 @@ class RecordingIO:
     def scrub(self, tier: str, slot: int) -> None:
         self.inner.scrub(tier, slot)
 
+    def store(self, tier: str, slot: int, source: int, serial: int, key: bytes) -> bool:
+        return self._note(self.inner.store(tier, slot, source, serial, key))
+
 
 class ReplayIO:
     """The ``TierIO`` of a journal replay: no byte moves; call ``i`` fails iff it did."""
@@ -108,3 +117,6 @@ class ReplayIO:
 
     def scrub(self, tier: str, slot: int) -> None:
         pass
+
+    def store(self, tier: str, slot: int, source: int, serial: int, key: bytes) -> bool:
+        return self._answer()

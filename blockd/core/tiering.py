@@ -37,7 +37,7 @@ from blockd.core.blocks import BlockArrays
 from blockd.core.events import BlockRemoved, BlockStored, EventSink
 from blockd.core.lower_tiers import DISK, HOST, LowerTiers, TierShape
 from blockd.core.namespace import NamespaceTable, namespace_label
-from blockd.core.prefix_index import PendingHits, PrefixIndex
+from blockd.core.prefix_index import PendingHits, PrefixIndex, next_serial
 from blockd.core.results import Counters, TierUsage
 from blockd.core.tenants import TenantPolicy, TenantTable
 from blockd.core.tier_io import TierIO
@@ -303,6 +303,70 @@ class Tiering:
         self._loads_left -= done
         return done
 
+    def adopt(self, ns_id: int, root_key: bytes, token_bytes: bytes, owner: int, start: int,
+              count: int) -> int:
+        """Blocks ``start..start+count-1`` of a prompt, fetched from outside the node (the
+        remote tier) and checked there, become entries of the first lower tier owned by
+        tenant slot ``owner``, continuing the prompt's verified prefix: each with a fresh
+        serial, chained to the one before. Only if that prefix (pool, then lower tiers) still
+        reaches ``start``, and only past what it already holds; stops at a key the index
+        already has (a broken chain's entry), a tier with no room by the slot rule, or a write
+        that fails. ``source`` ``i`` of the ``TierIO`` is block ``start + i``'s bytes.
+        Returns how many joined."""
+        lower, io, index = self.lower, self.io, self.index
+        if lower is None or io is None or count <= 0:
+            return 0
+        self.begin_step()  # its own bounded budget of demotions (``_room``)
+        stop = start + count
+        hits = index.match(ns_id, root_key, token_bytes, stop, None)
+        prev = index.serial[hits[-1]] if hits else 0
+        lows = self._match_lower(ns_id, root_key, token_bytes, len(hits), stop, prev, stop,
+                                 count_cut=False)
+        pos = len(hits) + len(lows)
+        if lows:
+            prev = lower.serial[lows[-1]]
+        if pos < start:  # an earlier block left meanwhile: nothing to chain to
+            self.counters.tier_adopt_skipped["gap"] += 1
+            return 0
+        step = index.chunk_bytes
+        h = index.new_stream(root_key)
+        h.update(memoryview(token_bytes)[:pos * step])
+        parent_key = h.digest() if pos else b""
+        ns = self.namespaces.get(ns_id)
+        done: list[int] = []
+        self.pin(lows, True)
+        try:
+            for p in range(pos, stop):
+                chunk = token_bytes[p * step:(p + 1) * step]
+                h.update(chunk)
+                key = h.digest()
+                if index.find(key) is not None or lower.find(key) is not None:
+                    self.counters.tier_adopt_skipped["key_taken"] += 1
+                    break
+                slot = self._room(0, owner)
+                if slot is None:
+                    self.counters.tier_adopt_skipped["no_room"] += 1
+                    break
+                name = lower.names[lower.tier_of(slot)]
+                serial = index.next_serial
+                if not io.store(name, lower.local(slot), p - start, serial, key):
+                    lower.give_back(slot)
+                    self.counters.tier_errors[f"{name}_write"] += 1
+                    break
+                index.next_serial = next_serial(serial)
+                lower.insert(slot, key, chunk, parent_key, ns_id, serial, prev)
+                lower.pinned[slot] = 1  # a later block's room must not evict its parent
+                done.append(slot)
+                self.namespaces.incref(ns)
+                self.counters.tier_stored_blocks[name] += 1
+                self.counters.tier_adopted_blocks[name] += 1
+                self._emit_stored(slot)
+                parent_key, prev = key, serial
+        finally:
+            self.pin(lows, False)
+            self.pin(done, False)
+        return len(done)
+
     def pin(self, slots: Sequence[int], on: bool) -> None:
         lower = self.lower
         if lower is not None:
@@ -372,4 +436,5 @@ class Tiering:
         parent_key = lower.parent_key_of(slot) if lower.parent_serial[slot] else b""
         return BlockStored(slot, lower.key_of(slot), parent_key, lower.tokens_of(slot),
                            namespace_label(ns), ns.fields.lora_id or "",
-                           ns.fields.sharing_domain, lower.names[lower.tier_of(slot)])
+                           ns.fields.sharing_domain, lower.names[lower.tier_of(slot)],
+                           ns.root_key if not lower.parent_serial[slot] else b"")

@@ -14,6 +14,7 @@ recovered daemon.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ from blockd.runtime.journal_records import FlushRecord, TenantsRecord
 from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.packed import PackedIds
 from blockd.runtime.recovery import Recovery
+from blockd.runtime.remote import RemoteTier
 from blockd.runtime.sessions import Sessions
 from blockd.runtime.state_store import StateStore
 from blockd.runtime.step import StepLimits
@@ -107,6 +109,9 @@ class Daemon:
                                shared_path=store.pool_path if store else "",
                                reuse=saved is not None)
         self.pools: dict[str, Pool] = self.storage.pools
+        #: The tier many nodes share (``blockd.runtime.remote``; started by ``recover``).
+        self.remote = (RemoteTier(cfg.tiers, self.partitions, self.pools, self.spec)
+                       if cfg.tiers.remote else None)
         self.pool = self.pools[SHARED_PARTITION]
         #: vLLM's medium names: where the blocks live ("GPU" or "CPU").
         self.medium = self.pool.medium
@@ -166,6 +171,9 @@ class Daemon:
         if self.recovery.enabled:
             self.ids.record()
             self._snapshot()
+        if self.remote is not None:
+            self.remote.start(asyncio.get_running_loop(), self.storage, self.recovery,
+                              self._after_adopt)
         self.index.rebuild()
         if m.tenant_policies() != {p.tenant_id: p for p in self.tenants.tenants} \
                 or self.sessions.revocations(self.tenants):
@@ -176,9 +184,16 @@ class Daemon:
                 indexed_blocks=m.num_indexed, journal_records=records,
                 seconds=round(time.perf_counter() - t0, 4)))
 
-    def _replay_tier_io(self, session_id: str, failed: tuple[int, ...]) -> None:
-        """A replayed Step's tier copies answer as they did (``Storage.replay_step``)."""
-        self.storage.replay_step(self.partitions.partition_of_session(session_id), failed)
+    def _replay_tier_io(self, session_id: str, failed: tuple[int, ...], *,
+                        tenant_id: str = "") -> None:
+        """A replayed record's tier copies answer as they did (``Storage.replay_step``)."""
+        parts = self.partitions
+        self.storage.replay_step(parts.partition_of_tenant(tenant_id) if tenant_id
+                                 else parts.partition_of_session(session_id), failed)
+
+    def _after_adopt(self) -> None:
+        self._journalled()
+        self.check()
 
     def _snapshot(self) -> None:
         self.recovery.snapshot(self.partitions, self.sessions, self.spec, self.epoch)
@@ -315,7 +330,7 @@ class Daemon:
         self.sessions.poll_fence(info)
         self.ids.take_minted()  # whatever an earlier failed Step left
         resp = step.apply_step(m, self.sessions, info, req, epoch=self.epoch,
-                               limits=self.limits, errors=self.op_errors)
+                               limits=self.limits, errors=self.op_errors, remote=self.remote)
         self.index.stepped(info.tenant_id, resp)
         partition = self.partitions.partition_of_session(info.id)
         recovery.record_step(info.id, req, resp, self.ids.take_minted(),
@@ -472,5 +487,7 @@ class Daemon:
         """Release this process's handles. With ``state.dir`` the files stay: the next daemon
         carries on with the same epoch, sessions that did not detach, and the cache."""
         self.sessions.close()
+        if self.remote is not None:
+            self.remote.close()
         self.recovery.close()
         self.storage.close()

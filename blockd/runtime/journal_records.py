@@ -13,6 +13,8 @@ the kind (``blockd.runtime.journal`` frames it)::
     ["flush", {filter: value}]
     ["revoke", session_id, reason]          (a tenants reload took the session's rights)
     ["tenants", pickled tenant policies]
+    ["adopt", tenant_id, [model_id, revision, lora_id, tokenizer digest, salt], token bytes,
+     start, count, [numbers of the tier copies that failed]]   (the remote tier's fetches)
 
 ``from_record`` refuses (``ValueError``, naming the kind and the item) a list whose kind is
 unknown or whose items do not have the kind's types: recovery treats that as a corrupt journal.
@@ -25,11 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from blockd.core.namespace import PrefixScope
 from blockd.core.tenants import TenantPolicy
 
 __all__ = [
-    "AttachRecord", "DetachRecord", "FenceRecord", "FlushRecord", "Record", "RevokeRecord",
-    "StepRecord", "TenantsRecord", "from_record",
+    "AdoptRecord", "AttachRecord", "DetachRecord", "FenceRecord", "FlushRecord", "Record",
+    "RevokeRecord", "StepRecord", "TenantsRecord", "from_record",
 ]
 
 
@@ -207,13 +210,47 @@ class TenantsRecord:
         return cls(tuple(policies))
 
 
-Record = (AttachRecord | DetachRecord | FenceRecord | StepRecord | FlushRecord | RevokeRecord
-          | TenantsRecord)
+@dataclass(frozen=True, slots=True)
+class AdoptRecord:
+    """Blocks fetched from the remote tier joined a tenant's lower tier
+    (``KVManager.adopt_remote``); their bytes are in the tier's store, so a replay only needs
+    the decision and which of its slot writes failed."""
+
+    kind: ClassVar[str] = "adopt"
+    tenant_id: str
+    scope: PrefixScope
+    tokens: bytes
+    start: int
+    count: int
+    io_failures: tuple[int, ...] = ()
+
+    def to_record(self) -> list[Any]:
+        s = self.scope
+        return [self.kind, self.tenant_id,
+                [s.model_id, s.model_revision, s.lora_id, s.tokenizer_digest, s.salt],
+                self.tokens, self.start, self.count, list(self.io_failures)]
+
+    @classmethod
+    def from_items(cls, items: list[Any]) -> AdoptRecord:
+        _check(cls.kind, items, (str, list, bytes, int, int, list))
+        tenant_id, scope, tokens, start, count, io_failures = items
+        if (len(scope) != 5 or not isinstance(scope[0], str)
+                or not all(x is None or isinstance(x, str) for x in scope[1:3])
+                or not all(x is None or isinstance(x, bytes) for x in scope[3:])):
+            raise ValueError("journal record 'adopt': the scope is not "
+                             "[model_id, revision, lora_id, tokenizer_digest, salt]")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in io_failures):
+            raise ValueError("journal record 'adopt': a failed tier copy is not a number")
+        return cls(tenant_id, PrefixScope(*scope), tokens, start, count, tuple(io_failures))
+
+
+Record = (AdoptRecord | AttachRecord | DetachRecord | FenceRecord | StepRecord | FlushRecord
+          | RevokeRecord | TenantsRecord)
 
 _KINDS: dict[str, Callable[[list[Any]], Record]] = {
     cls.kind: cls.from_items
-    for cls in (AttachRecord, DetachRecord, FenceRecord, StepRecord, FlushRecord, RevokeRecord,
-                TenantsRecord)
+    for cls in (AdoptRecord, AttachRecord, DetachRecord, FenceRecord, StepRecord, FlushRecord,
+                RevokeRecord, TenantsRecord)
 }
 
 

@@ -37,9 +37,8 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
@@ -53,6 +52,7 @@ from blockd.core.tiering import TierLimits
 from blockd.runtime import step
 from blockd.runtime.journal import OVERHEAD, Journal, scan
 from blockd.runtime.journal_records import (
+    AdoptRecord,
     AttachRecord,
     DetachRecord,
     FenceRecord,
@@ -69,7 +69,13 @@ from blockd.runtime.state_store import StateStore
 log = logging.getLogger("blockd.recovery")
 
 #: Told before a replayed Step: its session and the numbers of its tier copies that failed.
-TierIOReplay = Callable[[str, tuple[int, ...]], None]
+class TierIOReplay(Protocol):
+    """Before a replayed record's tier copies: ``(session_id, failed)`` for a Step (its
+    session's partition), ``("", failed, tenant_id=...)`` for an adopt (the tenant's)."""
+
+    def __call__(self, session_id: str, failed: tuple[int, ...], *,
+                 tenant_id: str = "") -> None: ...
+
 
 #: The layout of the snapshot's state dict (and of the journal after it). 2: the runtime/core
 #: split of issue 12 (every pickled module path changed); 3: journal headers with a checked
@@ -357,6 +363,10 @@ def _apply(raw: list[Any], m: KVManager, sessions: Sessions, ids: SequenceIds,
         m.flush(**record.filters())
     elif isinstance(record, RevokeRecord):
         sessions.revoke(_session(sessions, record), record.reason)
+    elif isinstance(record, AdoptRecord):
+        tier_io("", record.io_failures, tenant_id=record.tenant_id)
+        m.adopt_remote(record.tenant_id, record.scope, record.tokens, record.start,
+                       record.count)
     else:
         m.set_tenants(record.policies)
 

@@ -29,6 +29,7 @@ from blockd.core.errors import BlockdError, FailedPrecondition, InvalidArgument,
 from blockd.core.preemption import REASON as PREEMPT_REASON
 from blockd.core.results import DoesNotFit, SessionView
 from blockd.runtime import convert
+from blockd.runtime.remote import RemoteTier
 from blockd.runtime.sessions import SessionInfo, Sessions
 
 #: An upper bound of one preemption notice's encoded size: a minted 22-character sequence id,
@@ -214,13 +215,16 @@ def answer_bound(counts: Tally, num_operations: int, view: SessionView) -> int:
 
 def apply_step(m: KVManager, sessions: Sessions, info: SessionInfo, req: pb.StepRequest, *,
                epoch: int, limits: StepLimits | None, errors: Counter[str],
-               failed: dict[int, bytes] | None = None) -> pb.StepResponse:
+               failed: dict[int, bytes] | None = None,
+               remote: RemoteTier | None = None) -> pb.StepResponse:
     """Apply a checked Step; the answer lists the blocks to zero (``scrubbed_blocks``), which
     the caller zeroes in a live Step and not in a replay (workers wrote to them since).
 
     ``errors`` counts the failed operations and batch entries by status name. ``failed``
     (a replay of ``journal_record``): the operations that failed when the Step was first
-    applied, by index, with their serialized status; they are answered with it, not applied.
+    applied, by index, with their serialized status; they are answered with it, not applied
+    (as are admits that were answered "pending" by the remote tier: an empty status).
+    ``remote``: a live Step's remote tier (``RemoteTier.admit``).
     """
     sid = info.id
     m.begin_step(sid, req.fence, req.completed_fence)
@@ -231,7 +235,8 @@ def apply_step(m: KVManager, sessions: Sessions, info: SessionInfo, req: pb.Step
         result = resp.results.add()
         if failed is not None and i in failed:
             result.status.ParseFromString(failed[i])
-            errors[convert.status_name(result.status.code)] += 1
+            if result.status.code:
+                errors[convert.status_name(result.status.code)] += 1
             continue
         try:
             if kind == "append_batch":
@@ -248,10 +253,17 @@ def apply_step(m: KVManager, sessions: Sessions, info: SessionInfo, req: pb.Step
             elif kind == "admit":
                 a = op.admit
                 convert.check_id(a.request_id, "request_id", required=False)
-                admitted = m.admit(sid, convert.scope(a.namespace),
-                                   token_bytes(limits, a.token_ids, "token_ids"),
-                                   cache=not a.disable_prefix_cache, priority=a.priority)
-                if isinstance(admitted, DoesNotFit):
+                scope = convert.scope(a.namespace)
+                raw = token_bytes(limits, a.token_ids, "token_ids")
+                cache = not a.disable_prefix_cache
+                admitted = (m.admit(sid, scope, raw, cache=cache, priority=a.priority)
+                            if remote is None else
+                            remote.admit(m, sid, info.tenant_id, scope, raw, cache=cache,
+                                         priority=a.priority, wait=a.wait_for_remote))
+                if isinstance(admitted, int):  # nothing admitted: a fetch is under way
+                    result.admit.request_id = a.request_id
+                    result.admit.pending_remote_blocks = admitted
+                elif isinstance(admitted, DoesNotFit):
                     _failed(result, admitted, i, kind, errors)
                 else:
                     convert.admit_result(result.admit, admitted, a.request_id)
@@ -290,7 +302,7 @@ def journal_record(req: pb.StepRequest, resp: pb.StepResponse
     kept.DiscardUnknownFields()
     statuses: dict[int, bytes] = {}
     for i, result in enumerate(resp.results):
-        if result.status.code:
+        if result.status.code or result.admit.pending_remote_blocks:
             kept.operations[i].Clear()
             statuses[i] = result.status.SerializeToString()
     return kept.SerializeToString(), statuses

@@ -111,6 +111,13 @@ class Storage:
         if partition in self.recorders:
             self._parts.set_tier_io(partition, ReplayIO(failed))
 
+    def stage(self, partition: str, data: list[memoryview]) -> None:
+        """Bytes from outside the node that the next ``Tiering.adopt`` of ``partition``
+        writes into its slots (``TierIO.store``'s sources); [] when it is done."""
+        recorder = self.recorders.get(partition)
+        if recorder is not None and isinstance(recorder.inner, PoolTierIO):
+            recorder.inner.staged = data
+
     def take_io_failures(self, partition: str) -> tuple[int, ...]:
         """The tier copies of the last Step (in ``partition``) that failed, by number."""
         recorder = self.recorders.get(partition)

@@ -24,30 +24,13 @@ from blockd import logs
 from blockd.core.errors import BlockdError
 from blockd.pools.base import Pool
 from blockd.tiers.base import TierStore
+from blockd.tiers.histogram import LATENCY_BUCKETS, Histogram  # noqa: F401  (re-exported)
 
 log = logging.getLogger("blockd.tiers")
 
 #: What a copy may raise that only fails it: a store's I/O error, a pool's copy error (a CUDA
 #: call that failed is a ``BlockdError``; a bad size a ``ValueError``).
 COPY_ERRORS = (OSError, BlockdError, ValueError)
-
-#: Upper bounds of the copy-latency histograms, seconds (a 64 KiB block is ~10 us in memory).
-LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
-
-
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        i = 0
-        while i < len(self.buckets) and seconds > self.buckets[i]:
-            i += 1
-        self.counts[i] += 1
-        self.total += seconds
-
 
 @dataclass
 class TierIOStats:
@@ -75,6 +58,8 @@ class PoolTierIO:
         self.stores = stores
         self.stats = stats
         self.partition = partition
+        #: Bytes from outside the node for ``store`` (``Storage.stage``), by source number.
+        self.staged: list[memoryview] = []
 
     def _failed(self, kind: str, exc: Exception | None = None) -> bool:
         self.stats.errors[kind] += 1
@@ -136,6 +121,18 @@ class PoolTierIO:
         self.stats.bytes_read[src_tier] += src.slot_bytes
         self.stats.bytes_written[dst_tier] += dst.slot_bytes
         self.stats.timed(self.stats.spill_seconds, dst_tier, t0)
+        return True
+
+    def store(self, tier: str, slot: int, source: int, serial: int, key: bytes) -> bool:
+        dst = self.stores[tier]
+        t0 = time.perf_counter()
+        try:
+            dst.begin_write(slot)[:] = self.staged[source]
+            dst.end_write(slot, serial, key)
+        except (OSError, IndexError, ValueError) as exc:
+            return self._failed(f"{tier}_write", exc)
+        self.stats.bytes_written[tier] += dst.slot_bytes
+        self.stats.timed(self.stats.spill_seconds, tier, t0)
         return True
 
     def scrub(self, tier: str, slot: int) -> None:

@@ -39,6 +39,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 import blockd
+from blockd.server.remote_metrics import RemoteCollector
 from blockd.server.tier_metrics import TierCollector
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class Metrics:
         self.daemon = daemon
         self.registry.register(_DaemonCollector(daemon, self))
         self.registry.register(TierCollector(daemon))
+        self.registry.register(RemoteCollector(daemon))
         if events is not None:
             self.registry.register(_KvEventsCollector(events))
 

@@ -21,7 +21,7 @@ from blockd.core.lower_tiers import TIER_ORDER
 
 if TYPE_CHECKING:
     from blockd.runtime.daemon import Daemon
-    from blockd.runtime.tier_io import Histogram
+    from blockd.tiers.histogram import Histogram
 
 
 class TierCollector(Collector):
@@ -99,7 +99,7 @@ class TierCollector(Collector):
             for t in tiers:
                 h = table.get(t)
                 if h is not None:
-                    hist.add_metric([t], _buckets(h), sum_value=h.total)
+                    hist.add_metric([t], histogram_buckets(h), sum_value=h.total)
             yield hist
 
 
@@ -109,7 +109,7 @@ def _go_float(x: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
-def _buckets(h: Histogram) -> list[tuple[str, float]]:
+def histogram_buckets(h: Histogram) -> list[tuple[str, float]]:
     out: list[tuple[str, float]] = []
     running = 0
     for bound, n in zip(h.buckets, h.counts, strict=False):

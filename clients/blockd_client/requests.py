@@ -35,9 +35,13 @@ def namespace(model_id: str, model_revision: str | None = None, lora_id: str | N
 
 
 def admit(tokens: Sequence[int], ns: pb.CacheNamespace, request_id: str = "",
-          cache: bool = True, priority: int = 0) -> pb.Operation:
+          cache: bool = True, priority: int = 0, wait_for_remote: bool = False
+          ) -> pb.Operation:
+    """``wait_for_remote``: answered ``pending_remote_blocks`` > 0 (nothing admitted) while
+    the daemon's remote tier fetches blocks after the local hit; ask again later."""
     return pb.Operation(admit=pb.AdmitOp(request_id=request_id, namespace=ns, token_ids=tokens,
-                                         priority=priority, disable_prefix_cache=not cache))
+                                         priority=priority, disable_prefix_cache=not cache,
+                                         wait_for_remote=wait_for_remote))
 
 
 def append(seq_id: str, tokens: Sequence[int]) -> pb.Operation:

@@ -42,14 +42,21 @@ def main() -> None:
                             lease_ms=args.get("lease_ms", 0))
     ns = rq.namespace("tiny", model_revision="r1")
     tokens = args["tokens"]
-    out = session.step([rq.admit(tokens, ns)])
+    wait = bool(args.get("wait_for_remote"))
+    out = session.step([rq.admit(tokens, ns, wait_for_remote=wait)])
     res = out.results[0]
+    pending = 0
+    while wait and res.admit.pending_remote_blocks:  # a scheduler's "ask again next step"
+        pending += 1
+        time.sleep(0.02)
+        out = session.step([rq.admit(tokens, ns, wait_for_remote=wait)])
+        res = out.results[0]
     assert res.status.code == 0, res.status
     seq = res.admit.sequence_id
     table = list(res.admit.block_table)
     kv_pool = session.pool.kv_pool()
     report = {"epoch": session.epoch, "table": table, "cached": res.admit.num_cached_tokens,
-              "session": session.session_id}
+              "session": session.session_id, "pending_answers": pending}
     if mode == "write":
         slots = session.tables.slots(seq, 0, len(tokens))
         for layer, (k_cache, v_cache) in enumerate(session.pool.kv_caches()):

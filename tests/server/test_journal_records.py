@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from blockd.core.namespace import PrefixScope
 from blockd.core.tenants import Sharing, TenantPolicy
 from blockd.runtime import journal
 from blockd.runtime.journal_records import (
+    AdoptRecord,
     AttachRecord,
     DetachRecord,
     FenceRecord,
@@ -37,6 +39,9 @@ CASES: list[tuple[Record, list[object]]] = [
     (FlushRecord(model_id="m", lora_id="l"),
      ["flush", {"model_id": "m", "model_revision": None, "lora_id": "l", "tenant_id": None}]),
     (RevokeRecord("s2", "credential removed"), ["revoke", "s2", "credential removed"]),
+    (AdoptRecord("acme", PrefixScope("m", "r1", None, b"\x01\x02", None), b"\x05\0\0\0" * 8,
+                 2, 3, (1,)),
+     ["adopt", "acme", ["m", "r1", None, b"\x01\x02", None], b"\x05\0\0\0" * 8, 2, 3, [1]]),
 ]
 
 
@@ -81,6 +86,9 @@ def test_a_step_record_from_before_tiers_replays_with_no_failed_copy() -> None:
     (["step", "s1", b"", [], [], ["1"]], "'step': a failed tier copy"),
     (["flush", {"model": "m"}], "'flush': filters"),
     (["tenants", b"\x80\x04N."], "'tenants': not a list"),
+    (["adopt", "acme", ["m", None, None, "x", None], b"", 0, 1, []], "'adopt': the scope"),
+    (["adopt", "acme", ["m", None, None, None, None], b"", 0, 1, [None]],
+     "'adopt': a failed tier copy"),
     (["wipe", "everything"], "unknown journal record 'wipe'"),
     ([], "a journal record is a list"),
     ("attach", "a journal record is a list"),

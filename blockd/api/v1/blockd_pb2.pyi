@@ -203,18 +203,20 @@ class Operation(_message.Message):
     def __init__(self, admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., append: _Optional[_Union[AppendOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ..., release: _Optional[_Union[ReleaseOp, _Mapping]] = ..., commit: _Optional[_Union[CommitOp, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchOp, _Mapping]] = ...) -> None: ...
 
 class AdmitOp(_message.Message):
-    __slots__ = ("request_id", "namespace", "token_ids", "priority", "disable_prefix_cache")
+    __slots__ = ("request_id", "namespace", "token_ids", "priority", "disable_prefix_cache", "wait_for_remote")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DISABLE_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_REMOTE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     namespace: CacheNamespace
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     priority: int
     disable_prefix_cache: bool
-    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[_Union[CacheNamespace, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., disable_prefix_cache: _Optional[bool] = ...) -> None: ...
+    wait_for_remote: bool
+    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[_Union[CacheNamespace, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., disable_prefix_cache: _Optional[bool] = ..., wait_for_remote: _Optional[bool] = ...) -> None: ...
 
 class AppendOp(_message.Message):
     __slots__ = ("sequence_id", "token_ids")
@@ -315,18 +317,20 @@ class OperationResult(_message.Message):
     def __init__(self, status: _Optional[_Union[OperationStatus, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., append: _Optional[_Union[AppendResult, _Mapping]] = ..., fork: _Optional[_Union[ForkResult, _Mapping]] = ..., release: _Optional[_Union[ReleaseResult, _Mapping]] = ..., commit: _Optional[_Union[CommitResult, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchResult, _Mapping]] = ...) -> None: ...
 
 class AdmitResult(_message.Message):
-    __slots__ = ("sequence_id", "request_id", "num_cached_tokens", "block_table", "num_tokens")
+    __slots__ = ("sequence_id", "request_id", "num_cached_tokens", "block_table", "num_tokens", "pending_remote_blocks")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     request_id: str
     num_cached_tokens: int
     block_table: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    pending_remote_blocks: int
+    def __init__(self, sequence_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., pending_remote_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockTableDelta(_message.Message):
     __slots__ = ("start_index", "block_ids")

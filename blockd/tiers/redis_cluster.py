@@ -1,0 +1,328 @@
+"""The remote tier's store: a Redis Cluster that many nodes' daemons share (redis-py's client).
+
+``RedisRemote`` owns one ``redis.cluster.RedisCluster`` and two threads, so that nothing the
+cluster does (a slow master, a failover, a cluster that is down) ever holds the daemon's event
+loop:
+
+* the *publisher* drains a bounded queue of values to write (``publish``: never blocks; a full
+  queue drops the value and counts it) and writes them in pipelines;
+* the *fetcher* takes fetch jobs (``fetch``: bounded the same way), reads their keys in one
+  pipeline, and hands the raw values to the job's callback (which the runtime makes run on its
+  loop). A key that fails to read is a miss.
+
+Every command has a deadline (``timeout_s``, the socket timeout). Errors are counted by kind
+(``timeout``, ``connection``, ``cluster_down``, ``full``, ``auth``, ``other``) and never escape.
+The client is *down* while it cannot be built (the cluster unreachable at start, or after
+``DOWN_AFTER`` consecutive failures): each thread then tries to build it again every
+``retry_s``, and publishes and fetches meanwhile are dropped (counted); when the cluster is
+back it is used again. The password is read from a file by the caller and never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from redis import exceptions as rx
+from redis.cluster import ClusterNode, RedisCluster
+
+from blockd.tiers.histogram import Histogram
+
+log = logging.getLogger("blockd.remote")
+
+#: Consecutive failed commands after which the client is rebuilt from the startup nodes.
+DOWN_AFTER = 3
+#: Values one publisher pipeline writes at most.
+PUBLISH_BATCH = 64
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+    timeout_s: float = 0.2
+    ttl_s: int = 0
+    retry_s: float = 1.0
+    queue_values: int = 1024
+    queue_fetches: int = 256
+
+
+@dataclass
+class RemoteCounters:
+    """What the remote tier did; read by the metrics collector (under no lock: each field is
+    written by one thread, and a scrape may see a count one command late)."""
+
+    errors: Counter[str] = field(default_factory=Counter)
+    #: Values not written or fetches not made: ``publish_queue``, ``fetch_queue`` (full),
+    #: ``down`` (no client).
+    dropped: Counter[str] = field(default_factory=Counter)
+    values_written: int = 0
+    bytes_written: int = 0
+    values_read: int = 0
+    bytes_read: int = 0
+    #: Seconds of each pipeline, by operation (``get``, ``set``).
+    seconds: dict[str, Histogram] = field(
+        default_factory=lambda: {"get": Histogram(), "set": Histogram()})
+    up: bool = False
+    connects: int = 0
+
+
+def error_kind(exc: BaseException) -> str:
+    if isinstance(exc, rx.TimeoutError):
+        return "timeout"
+    if isinstance(exc, rx.OutOfMemoryError):
+        return "full"
+    if isinstance(exc, (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)):
+        return "auth"
+    if isinstance(exc, (rx.ClusterDownError, rx.SlotNotCoveredError, rx.MasterDownError,
+                        rx.TryAgainError)):
+        return "cluster_down"
+    if isinstance(exc, (rx.ConnectionError, rx.RedisClusterException, OSError)):
+        return "connection"
+    if isinstance(exc, rx.ResponseError) and "OOM" in str(exc):
+        return "full"
+    return "other"
+
+
+@dataclass
+class FetchJob:
+    keys: list[bytes]
+    #: Called on the fetcher thread with one raw value (or None) per key.
+    done: Callable[[list[bytes | None]], None]
+
+
+class RedisRemote:
+    """A shared Redis Cluster, written behind and read ahead on threads of its own."""
+
+    def __init__(self, settings: RedisSettings) -> None:
+        self.settings = settings
+        self.counters = RemoteCounters()
+        self._client: RedisCluster | None = None
+        self._client_lock = threading.Lock()
+        self._failures = 0
+        self._next_try = 0.0
+        self._values: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(
+            settings.queue_values)
+        self._fetches: queue.Queue[FetchJob | None] = queue.Queue(settings.queue_fetches)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._publisher, name="blockd-remote-pub",
+                                          daemon=True),
+                         threading.Thread(target=self._fetcher, name="blockd-remote-fetch",
+                                          daemon=True)]
+
+    # -- the loop's side (never blocks) ---------------------------------------------------------
+
+    def start(self) -> bool:
+        """Connect once (a failure is a degraded start, retried), then start the threads."""
+        ok = self._connect() is not None
+        for t in self._threads:
+            t.start()
+        return ok
+
+    @property
+    def up(self) -> bool:
+        return self.counters.up
+
+    def publish(self, key: bytes, value: bytes) -> bool:
+        if not self.counters.up:
+            self.counters.dropped["down"] += 1
+            return False
+        try:
+            self._values.put_nowait((key, value))
+        except queue.Full:
+            self.counters.dropped["publish_queue"] += 1
+            return False
+        return True
+
+    def fetch(self, job: FetchJob) -> bool:
+        if not self.counters.up:
+            self.counters.dropped["down"] += 1
+            return False
+        try:
+            self._fetches.put_nowait(job)
+        except queue.Full:
+            self.counters.dropped["fetch_queue"] += 1
+            return False
+        return True
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Drop bad values (from the fetcher thread, which found them)."""
+        client = self._client
+        if client is None:
+            return
+        for k in keys:
+            try:
+                client.delete(k)
+            except Exception as exc:  # a failed delete only leaves a bad value (checked again)
+                self._failed(exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        for q in (self._values, self._fetches):
+            with contextlib.suppress(queue.Full):
+                q.put_nowait(None)
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=2 * self.settings.timeout_s + 1)
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):  # a broken client must not fail the shutdown
+                client.close()
+
+    # -- the threads ----------------------------------------------------------------------------
+
+    def _connect(self) -> RedisCluster | None:
+        with self._client_lock:
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_try:
+                return None
+            s = self.settings
+            try:
+                client = RedisCluster(
+                    startup_nodes=[ClusterNode(h, p) for h, p in s.nodes],
+                    username=s.username, password=s.password, ssl=s.tls,
+                    ssl_ca_certs=s.tls_ca_file, socket_timeout=s.timeout_s,
+                    socket_connect_timeout=s.timeout_s, require_full_coverage=False,
+                    cluster_error_retry_attempts=1)
+                client.ping(target_nodes=RedisCluster.RANDOM)
+            except Exception as exc:
+                self._next_try = now + s.retry_s
+                kind = error_kind(exc)
+                self.counters.errors[kind] += 1
+                if self.counters.up or not self.counters.connects:
+                    log.warning("remote tier: the Redis Cluster is not reachable; retrying "
+                                "every %.1f s", s.retry_s, extra={"kind": kind})
+                self.counters.up = False
+                return None
+            self._client = client
+            self._failures = 0
+            self.counters.connects += 1
+            if not self.counters.up:
+                log.info("remote tier: connected to the Redis Cluster")
+            self.counters.up = True
+            return client
+
+    def _failed(self, exc: BaseException) -> None:
+        self.counters.errors[error_kind(exc)] += 1
+        self._failures += 1
+        if self._failures >= DOWN_AFTER:
+            with self._client_lock:
+                client, self._client = self._client, None
+                self._next_try = time.monotonic() + self.settings.retry_s
+            if client is not None:
+                log.warning("remote tier: the Redis Cluster fails; reconnecting in %.1f s",
+                            self.settings.retry_s)
+                self.counters.up = False
+                with contextlib.suppress(Exception):  # dropped because it is broken
+                    client.close()
+
+    def _idle_reconnect(self) -> None:
+        if self._client is None:
+            self._connect()
+
+    def _publisher(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._values.get(timeout=self.settings.retry_s)
+            except queue.Empty:
+                self._idle_reconnect()
+                continue
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < PUBLISH_BATCH:
+                try:
+                    nxt = self._values.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._stop.set()
+                    break
+                batch.append(nxt)
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
+        client = self._connect()
+        if client is None:
+            self.counters.dropped["down"] += len(batch)
+            return
+        t0 = time.perf_counter()
+        ttl = self.settings.ttl_s or None
+        try:
+            pipe = client.pipeline()
+            for k, v in batch:
+                pipe.set(k, v, ex=ttl)
+            results = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            self._failed(exc)
+            return
+        ok = 0
+        for (_, v), r in zip(batch, results, strict=False):
+            if isinstance(r, BaseException):
+                self._failed(r)
+            else:
+                ok += 1
+                self.counters.bytes_written += len(v)
+        if ok:
+            self._failures = 0
+        self.counters.values_written += ok
+        self._timed("set", t0)
+
+    def _fetcher(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._fetches.get(timeout=self.settings.retry_s)
+            except queue.Empty:
+                self._idle_reconnect()
+                continue
+            if job is None:
+                return
+            values = self._read(job.keys)
+            try:
+                job.done(values)
+            except Exception:  # the runtime's callback only schedules work on its loop
+                log.exception("remote tier: a fetch's callback failed")
+
+    def _read(self, keys: list[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        client = self._connect()
+        if client is None:
+            self.counters.dropped["down"] += 1
+            return out
+        t0 = time.perf_counter()
+        try:
+            pipe = client.pipeline()
+            for k in keys:
+                pipe.get(k)
+            results = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            self._failed(exc)
+            return out
+        ok = False
+        for i, r in enumerate(results[:len(keys)]):
+            if isinstance(r, BaseException):
+                self._failed(r)
+            else:
+                ok = True
+                if isinstance(r, bytes):
+                    out[i] = r
+                    self.counters.values_read += 1
+                    self.counters.bytes_read += len(r)
+        if ok:
+            self._failures = 0
+        self._timed("get", t0)
+        return out
+
+    def _timed(self, op: str, t0: float) -> None:
+        self.counters.seconds[op].observe(time.perf_counter() - t0)

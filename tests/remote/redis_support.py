@@ -1,0 +1,151 @@
+"""A real Redis Cluster on loopback for the remote tier's tests: Debian's ``redis-server``, three
+masters made one cluster by ``redis-cli --cluster create`` (nothing mocked).
+
+``RedisCluster.start`` picks free ports, starts one ``redis-server`` per master (no persistence,
+``cluster-require-full-coverage no`` so that a killed master leaves the others serving, an
+optional ``requirepass`` and ``maxmemory``), creates the cluster and waits for ``cluster_state:ok``
+on every node. ``kill``/``revive`` take one master away and bring it back on the same port (its
+node file keeps its slots); ``cli`` runs ``redis-cli`` against a node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+
+needs_redis = pytest.mark.skipif(
+    REDIS_SERVER is None or REDIS_CLI is None,
+    reason="redis-server/redis-cli not installed (.ci/run installs Debian's redis-server)")
+
+
+def free_port() -> int:
+    # Redis Cluster also listens on port + 10000 (the bus): both must be free.
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+@dataclass
+class RedisCluster:
+    workdir: Path
+    ports: list[int]
+    password: str | None = None
+    maxmemory: str | None = None
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, workdir: Path, *, masters: int = 3, password: str | None = None,
+              maxmemory: str | None = None) -> RedisCluster:
+        c = cls(workdir, [free_port() for _ in range(masters)], password, maxmemory)
+        try:
+            for p in c.ports:
+                c._spawn(p)
+            for p in c.ports:
+                c._wait_ping(p)
+            args = [f"127.0.0.1:{p}" for p in c.ports]
+            out = subprocess.run([REDIS_CLI or "redis-cli", *c._auth(), "--cluster", "create",
+                                  *args, "--cluster-replicas", "0", "--cluster-yes"],
+                                 capture_output=True, text=True, timeout=60)
+            if out.returncode:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}"
+                                   f"{out.stderr}")
+            c.wait_ok()
+        except BaseException:
+            c.stop()
+            raise
+        return c
+
+    @property
+    def nodes(self) -> str:
+        """The ``tiers.redis_nodes`` value for this cluster."""
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def _auth(self) -> list[str]:
+        return ["-a", self.password, "--no-auth-warning"] if self.password else []
+
+    def _spawn(self, port: int) -> None:
+        d = self.workdir / str(port)
+        d.mkdir(parents=True, exist_ok=True)
+        args = [REDIS_SERVER or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                "--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"),
+                "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no",
+                "--save", "", "--appendonly", "no", "--dir", str(d), "--daemonize", "no",
+                "--logfile", str(d / "redis.log")]
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+        self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+
+    def cli(self, port: int, *cmd: str) -> str:
+        out = subprocess.run([REDIS_CLI or "redis-cli", "-p", str(port), *self._auth(), *cmd],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip()
+
+    def _wait_ping(self, port: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.cli(port, "ping") == "PONG":
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on {port} did not answer")
+
+    def wait_ok(self, ports: list[int] | None = None) -> None:
+        deadline = time.monotonic() + 60
+        for p in ports or self.ports:
+            while "cluster_state:ok" not in self.cli(p, "cluster", "info"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster not ok on {p}")
+                time.sleep(0.1)
+
+    def keys(self, pattern: str = "blockd:*") -> list[tuple[int, str]]:
+        """Every (node port, key) matching ``pattern`` on the live masters."""
+        out = []
+        for p in self.ports:
+            if p in self.procs and self.procs[p].poll() is None:
+                out += [(p, k) for k in self.cli(p, "--scan", "--pattern", pattern).split()]
+        return out
+
+    def kill(self, port: int) -> None:
+        proc = self.procs.pop(port)
+        proc.kill()
+        proc.wait()
+
+    def revive(self, port: int) -> None:
+        self._spawn(port)
+        self._wait_ping(port)
+        self.wait_ok()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        self.procs = {}
+
+    def __enter__(self) -> RedisCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

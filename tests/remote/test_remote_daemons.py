@@ -1,0 +1,82 @@
+"""The remote tier between two real daemons ("node A" and "node B", each its own pool and host
+tier) through a real 3-master Redis Cluster on loopback: what a worker on node A computed is
+read on node B as exactly its bytes; another tenant gets none of it; every fault of the cluster
+is a miss and never wrong bytes; refusals at start name their key.
+
+Workers are ``tests/pools/kvworker.py`` processes (``write`` computes and commits a deterministic
+K/V pattern of a prompt; ``read`` admits it and checks what its own mapping holds in the hit
+blocks). The pools have 8 blocks of 4 tokens; a 14-token prompt has 3 full blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import Daemon, start
+from redis_support import RedisCluster, needs_redis
+from test_shared_pool import run_worker
+
+pytestmark = needs_redis
+
+SLOT = 4 * 2 * 2 * 2 * 8 * 2  # one block of daemon_proc's layout, every shard
+P = list(range(300, 314))
+SECRET = b"s" * 40
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    with RedisCluster.start(tmp_path_factory.mktemp("redis"), password="pw-blockd") as c:
+        yield c
+
+
+def remote_cfg(workdir: Path, cluster: RedisCluster, **over: Any) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "secret").write_bytes(SECRET)
+    (workdir / "redis-password").write_text("pw-blockd\n")
+    tiers = {"host_bytes": 32 * SLOT, "redis_nodes": cluster.nodes,
+             "redis_password_file": str(workdir / "redis-password"),
+             "cluster_secret_file": str(workdir / "secret"), "remote_retry_ms": 300}
+    tiers.update(over)
+    return {"tiers": tiers}
+
+
+def node(tmp: Path, name: str, cluster: RedisCluster, **over: Any) -> Daemon:
+    return start(tmp / name, num_blocks=8, extra=remote_cfg(tmp / name, cluster, **over))
+
+
+def wait_metric(d: Daemon, name: str, at_least: float, timeout: float = 30) -> float:
+    """Poll one series until it reaches ``at_least`` (a wait with a deadline, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = d.metric(name)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def test_a_prefix_computed_on_node_a_is_read_on_node_b_as_its_bytes(
+        tmp_path: Path, cluster: RedisCluster) -> None:
+    with node(tmp_path, "a", cluster) as a, node(tmp_path, "b", cluster) as b:
+        wrote = run_worker(a, "write", "alice", "acme", P)
+        assert wrote["committed"] == 3
+        assert wait_metric(a, "blockd_remote_written_values_total", 3) >= 3
+        keys = cluster.keys()
+        assert len(keys) >= 3
+        # A key says nothing about the tenant or the tokens.
+        assert all("acme" not in k and "300" not in k for _, k in keys)
+        # Node B: the admit waits for the fetch (answered "pending" meanwhile), then hits
+        # all 3 full blocks, loaded from the host tier they were fetched into.
+        got = run_worker(b, "read", "alice", "acme", P, wait_for_remote=True)
+        assert got["cached"] == 12 and got["pattern_ok"]
+        assert got["digests"] == wrote["digests"][:3]
+        assert got["pending_answers"] >= 1
+        assert b.metric("blockd_remote_hit_blocks_total") >= 3
+        assert b.metric("blockd_remote_adopted_blocks_total") >= 3
+        assert b.metric('blockd_tier_hit_tokens_total{tier="host"}') >= 12
+        # Another (private) tenant on node B: the same tokens, no hit, nothing fetched.
+        other = run_worker(b, "read", "bob", "globex", P, wait_for_remote=True)
+        assert other["cached"] == 0
+        assert b.metric("blockd_remote_bad_values_total") == 0
