@@ -747,11 +747,12 @@ class Booted:
 
 
 @contextlib.contextmanager
-def boot(docs: Docs, tmp_path: Path, tenants: bytes | None = None) -> Iterator[Booted]:
+def boot(docs: Docs, tmp_path: Path, tenants: bytes | None = None,
+         extra_env: dict[str, str] | None = None) -> Iterator[Booted]:
     """blockd from a kustomization's ConfigMap and Secret, as mounted. Only what cannot exist
     outside a Pod is overridden, through the daemon's own BLOCKD_* environment: socket and
     tenants paths, loopback ports, a small pool; POD_NAME and POD_IP as the downward API sets
-    them."""
+    them; and ``extra_env``."""
     tmp_path.mkdir(exist_ok=True)
     config = tmp_path / "blockd.yaml"
     config.write_text(one(docs, "ConfigMap")["data"]["blockd.yaml"])
@@ -775,6 +776,7 @@ def boot(docs: Docs, tmp_path: Path, tenants: bytes | None = None) -> Iterator[B
         "BLOCKD_POOL_NUM_BLOCKS": "64",
         "POD_NAME": "blockd-inference-test", "POD_IP": "127.0.0.1",
     })
+    env.update(extra_env or {})
     proc = subprocess.Popen([sys.executable, "-m", "blockd_apps", "serve", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=tmp_path)
