@@ -9,14 +9,16 @@
                                    --model-id, --model-revision, --lora)
 
 Readable tables by default, ``--json`` for scripts. The credential comes from, first found:
-``--token-file FILE``, ``--token`` (discouraged: the process list shows it), ``$BLOCKD_TOKEN_FILE``,
-``$BLOCKD_TOKEN`` (none: the anonymous caller of the laptop default, who acts for tenant
-``default``). A TCP target served with TLS needs ``--ca-file`` (and, for mTLS, ``--cert-file``
-and ``--key-file``). The daemon is ``--target`` (``unix:PATH`` or ``HOST:PORT``), else
-``$BLOCKD_TARGET``, else the Unix socket a daemon started with the same environment listens on
-(``$BLOCKD_SERVER_UNIX_SOCKET`` or the absolute default of ``blockd.config``), so blockctl works
-from any directory. Exit status: 0 done, 1 the daemon refused (its status and message on one
-line), 2 no daemon answering at the target or a usage error.
+``--token-file FILE`` (``/dev/stdin`` reads it from a pipe: ``kubectl exec -i ... < token``),
+``--token`` (discouraged, with a warning: every user sees it in the process list),
+``$BLOCKD_TOKEN_FILE``, ``$BLOCKD_TOKEN`` (none: the anonymous caller of the laptop default, who
+acts for tenant ``default``). A TCP target served with TLS needs ``--ca-file`` (and, for mTLS,
+``--cert-file`` and ``--key-file``). The daemon is ``--target`` (``unix:PATH`` or
+``HOST:PORT``), else ``$BLOCKD_TARGET``, else the Unix socket a daemon started with the same
+environment listens on (``$BLOCKD_SERVER_UNIX_SOCKET`` or the absolute default of
+``blockd.config``), so blockctl works from any directory. Exit status: 0 done, 1 the daemon
+refused (its status and message on one line), 2 no daemon answering at the target or a usage
+error.
 """
 
 from __future__ import annotations
@@ -216,8 +218,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="unix:PATH or HOST:PORT (default: $BLOCKD_TARGET, else the daemon's "
                         f"default socket, now unix:{default_socket()})")
     p.add_argument("--token-file", default=None,
-                   help="file holding the bearer token (default: $BLOCKD_TOKEN_FILE, else "
-                        "$BLOCKD_TOKEN; none: anonymous)")
+                   help="file holding the bearer token, /dev/stdin to pipe it in (default: "
+                        "$BLOCKD_TOKEN_FILE, else $BLOCKD_TOKEN; none: anonymous)")
     p.add_argument("--token", default=None,
                    help="bearer token; discouraged: other users see it in the process list "
                         "(use --token-file or $BLOCKD_TOKEN_FILE)")
@@ -292,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     if target.startswith("unix:") and not os.path.exists(target.removeprefix("unix:")):
         print(unreachable(target, "no socket there"), file=sys.stderr)
         return UNREACHABLE
+    if args.token is not None:
+        print("blockctl: warning: --token is visible to every user of this machine in the "
+              "process list; use --token-file FILE (or /dev/stdin) or $BLOCKD_TOKEN_FILE",
+              file=sys.stderr)
     try:
         tok = token(args)
         channel = _channel(target, args)

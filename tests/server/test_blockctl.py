@@ -17,9 +17,11 @@ from blockd_apps.launch import spawn
 
 
 def ctl(daemon, *args: str, token: str = "admin", check: bool = True):  # type: ignore[no-untyped-def]
+    # The token as docs/operations.md shows it: piped in, never on the command line.
     cmd = [sys.executable, "-m", "blockd_apps.ctl", "--target", f"unix:{daemon.endpoints['unix']}",
-           "--token", TOKENS[token], *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=check)
+           "--token-file", "/dev/stdin", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=check,
+                          input=TOKENS[token])
 
 
 def test_stats_tenants_inspect_watch_flush(daemon) -> None:  # type: ignore[no-untyped-def]
