@@ -26,7 +26,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from blockd import logs, wire
 from blockd.api.v1 import blockd_pb2 as pb
@@ -38,6 +37,7 @@ from blockd.runtime import startup as runtime
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.kv_events import KvEventPublisher
 from blockd.runtime.refusal_holds import RefusalHolds
+from blockd.server import reflection
 from blockd.server.endpoints import (
     SocketClaim,
     check_port,
@@ -94,9 +94,8 @@ def _grpc_server(sc: ServerConfig, servicer: BlockdServicer, connections: int
             "blockd.bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(_echo)}),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    reflection.enable(  # grpc.reflection.v1 and v1alpha
+        server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     return server, health_servicer
 
 

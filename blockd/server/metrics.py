@@ -39,6 +39,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 import blockd
+from blockd.core.errors import StatusCode
 from blockd.server.remote_metrics import RemoteCollector
 from blockd.server.tier_metrics import TierCollector
 
@@ -68,6 +69,12 @@ KV_EVENT_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("subscribers", "blockd_kv_event_subscribers", "gauge",
      "Peers connected to the KV-event PUB socket now."),
 )
+
+
+#: The ``code`` label values of ``blockd_operation_errors_total``: every status but OK, exported
+#: from the first scrape on (a series that appears only at the first error leaves dashboards'
+#: panels empty and ``rate()`` blind to that first error).
+OPERATION_ERROR_CODES = tuple(c.name for c in StatusCode if c is not StatusCode.OK)
 
 
 class Metrics:
@@ -116,6 +123,20 @@ class Metrics:
         if self.handles is not None and not self.handles.alive:
             return "503 Service Unavailable", b"handle socket stopped\n"
         return "200 OK", b"ok\n"
+
+    def status_page(self) -> bytes:
+        """``GET /``: what this listener is and serves (no tenant's data: it is
+        unauthenticated)."""
+        status, body = self.health()
+        d = self.daemon
+        lines = [f"blockd {blockd.__version__}",
+                 f"health: {status} ({body.decode().strip()})"]
+        if d is not None:
+            lines += [f"pool: {d.spec.num_blocks} blocks of {d.spec.block_size} tokens, "
+                      f"backend {d.cfg.pool.backend}", f"epoch: {d.epoch}"]
+        lines += ["", "/metrics  Prometheus metrics", "/healthz  200 when serving, 503 when "
+                  "draining or broken", ""]
+        return "\n".join(lines).encode()
 
 
 class _KvEventsCollector(Collector):
@@ -190,8 +211,8 @@ class _DaemonCollector(Collector):
         yield rate
         errs = CounterMetricFamily("blockd_operation_errors",
                                    "Step operations that failed, by status.", labels=["code"])
-        for code, n in sorted(d.op_errors.items()):
-            errs.add_metric([code], n)
+        for code in OPERATION_ERROR_CODES:  # every series from the start, zeros included
+            errs.add_metric([code], d.op_errors.get(code, 0))
         yield errs
         yield CounterMetricFamily("blockd_invariant_checks",
                                   "Periodic checks of every block-manager invariant.",
@@ -259,7 +280,7 @@ class _DaemonCollector(Collector):
 
 async def serve_http(metrics: Metrics, host: str, port: int, *, max_connections: int = 16,
                      timeout: float = 5.0) -> asyncio.Server:
-    """A minimal HTTP/1.1 server for GET /metrics and /healthz on the event loop.
+    """A minimal HTTP/1.1 server for GET /metrics, /healthz and / on the event loop.
 
     Bounded, so idle or half-sent requests cannot exhaust the daemon's fds: at most
     ``max_connections`` are open at once (one more is closed at accept, and counted), and each
@@ -297,6 +318,9 @@ async def serve_http(metrics: Metrics, host: str, port: int, *, max_connections:
             ctype = "text/plain; version=0.0.4; charset=utf-8"
         elif path.split("?")[0] == "/healthz":
             (status, body), ctype = metrics.health(), "text/plain"
+        elif path.split("?")[0] == "/":
+            status, body = "200 OK", metrics.status_page()
+            ctype = "text/plain; charset=utf-8"
         else:
             status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
         head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
