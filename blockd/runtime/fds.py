@@ -117,13 +117,15 @@ class FdBudget:
     def at_start(cls, cfg: Config, policies: Sequence[TenantPolicy], partitions: int
                  ) -> FdBudget:
         """Raise the soft limit, then the budget of ``policies`` (refused as ``check``)."""
-        soft, hard = raise_soft_limit()
+        soft, _hard = raise_soft_limit()
         budget = cls(soft, reserve(cfg, policies, partitions))
-        budget.check(cfg, policies)
-        log.info("file descriptors", extra=logs.fields(
-            rlimit_nofile=soft, hard=hard, reserved=budget.reserved,
-            sessions=budget.sessions, grpc_connections=grpc_connections(cfg, policies)))
+        budget.check(cfg, policies)  # logged with the "serving" record (``fields``)
         return budget
+
+    def fields(self) -> dict[str, int]:
+        """What the "serving" log record says of the budget."""
+        return {"rlimit_nofile": self.limit, "fd_reserved": self.reserved,
+                "fd_sessions": self.sessions}
 
     def check(self, cfg: Config, policies: Sequence[TenantPolicy]) -> None:
         """Set the tenants' shares; FAILED_PRECONDITION naming the keys when the session

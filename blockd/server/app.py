@@ -224,7 +224,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             for name, value in values.items()}))
         log.info("serving", extra=logs.fields(**endpoints, epoch=daemon.epoch,
                                               pool_bytes=sum(p.size for p in daemon.pools.values()),
-                                              partitions=len(daemon.pools), pid=os.getpid()))
+                                              partitions=len(daemon.pools), pid=os.getpid(),
+                                              **daemon.fds.fields()))
         # One machine-readable line for tests and supervisors that start us on port 0.
         print("BLOCKD_READY " + json.dumps(endpoints), flush=True)
 
