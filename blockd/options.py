@@ -277,3 +277,51 @@ def markdown_table(root: type, prefix: str, computed: Iterable[str] = ()) -> str
         text = s.help.replace("|", "\\|")
         rows.append(f"| `{s.key}` | `{s.flag}`, `{s.env}` | {default} | {text} |")
     return "\n".join(rows) + "\n"
+
+
+# -- the command line's errors ----------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage error is two short lines, not the whole usage (with
+    one flag per config field, ``blockd serve``'s is a page): the error, with "did you mean
+    --x?" for a mistyped flag or command (``difflib``; argparse's ``suggest_on_error`` exists
+    only from Python 3.14), and where the help is. Exit status 2, as argparse's."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        hint = suggestion(self, message)
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n"
+                     f"{self.prog}: see '{self.prog} --help'\n")
+
+
+def _options(parser: argparse.ArgumentParser) -> Iterator[str]:
+    """Every option string of ``parser`` and of its subcommands' parsers."""
+    for action in parser._actions:
+        yield from action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    return [name for action in parser._actions
+            if isinstance(action, argparse._SubParsersAction) for name in action.choices]
+
+
+def suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """``" (did you mean --pool-num-blocks?)"`` for the first unknown flag or invalid command
+    of an argparse error message that has a close match, else ""."""
+    words: list[str] = []
+    candidates: list[str] = []
+    if message.startswith("unrecognized arguments: "):
+        words = [w.split("=", 1)[0] for w in message.split(": ", 1)[1].split()
+                 if w.startswith("-")]
+        candidates = list(_options(parser))
+    elif "invalid choice: " in message:
+        words = [message.split("invalid choice: ", 1)[1].split("'")[1]]
+        candidates = _commands(parser)
+    for word in words:
+        close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {close[0]}?)"
+    return ""

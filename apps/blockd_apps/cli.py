@@ -10,11 +10,11 @@ own arguments (``blockd CMD --help``); imports are deferred to the command that 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 
 import blockd
+from blockd import options
 
 
 def _serve(argv: list[str]) -> int:
@@ -32,7 +32,7 @@ def _demo(argv: list[str]) -> int:
 def _demo_core(argv: list[str]) -> int:
     from blockd_apps import core_demo
 
-    argparse.ArgumentParser(prog="blockd demo-core",
+    options.Parser(prog="blockd demo-core",
                             description=(core_demo.__doc__ or "").split("\n\n")[0]
                             ).parse_args(argv)
     core_demo.run()
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]][1](argv[1:])
-    parser = argparse.ArgumentParser(prog="blockd", description="blockd: KV-block manager daemon")
+    parser = options.Parser(prog="blockd", description="blockd: KV-block manager daemon")
     parser.add_argument("--version", action="version", version=f"blockd {blockd.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (text, _) in COMMANDS.items():

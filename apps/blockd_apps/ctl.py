@@ -34,7 +34,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 import blockd
-from blockd import config
+from blockd import config, options
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 
@@ -212,7 +212,7 @@ def cmd_flush(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="blockctl", description=__doc__.splitlines()[0])
+    p = options.Parser(prog="blockctl", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"blockctl {blockd.__version__}")
     p.add_argument("--target", default=None,
                    help="unix:PATH or HOST:PORT (default: $BLOCKD_TARGET, else the daemon's "

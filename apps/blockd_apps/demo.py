@@ -41,10 +41,12 @@ from typing import Any
 
 import yaml
 
+from blockd import options
 from blockd_apps.launch import spawn
 
-#: In a checkout: the repository's bench/results (apps/blockd_apps/demo.py -> the root).
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "bench" / "results" / "demo.png"
+#: Relative to the directory it runs in, never into a checkout's tracked bench/results (the
+#: committed plot there is ``--out bench/results/demo.png``'s, written on purpose).
+DEFAULT_OUT = Path("blockd-demo") / "demo.png"
 
 
 # -- the embedded daemon ----------------------------------------------------------------------
@@ -265,7 +267,7 @@ def check_logits(model: Any, states: list[Any]) -> tuple[int, float]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="blockd demo", description=__doc__.split("\n\n")[0])
+    p = options.Parser(prog="blockd demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=WorkloadShape.requests)
     p.add_argument("--system-prompts", type=int, default=WorkloadShape.system_prompts)
     p.add_argument("--new-tokens", type=int, nargs=2, default=WorkloadShape.new_tokens,
@@ -279,7 +281,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="prompt tokens computed per step")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (Triton kernels, CUDA pool)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="PNG to write")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="PNG to write, its data beside it as .json (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the served logits with a contiguous forward pass")
@@ -333,6 +336,7 @@ def main(argv: list[str]) -> int:
     print(render(summary))
     if not args.no_plot:
         title = plot_title(summary)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         plot(timeline, args.num_blocks, args.out, title)
         args.out.with_suffix(".json").write_text(json.dumps(
             {"title": title, "summary": summary, "args": {k: str(v) for k, v in vars(args).items()},

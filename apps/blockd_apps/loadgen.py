@@ -18,7 +18,6 @@ the load and how many failed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -29,6 +28,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from blockd import options
 from blockd_apps.ctl import default_target, unreachable
 
 #: How often each worker tells the parent how far it got, seconds.
@@ -275,7 +275,7 @@ def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="blockd load", description=__doc__.splitlines()[0])
+    p = options.Parser(prog="blockd load", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=None,
                    help="unix:PATH or 127.0.0.1:PORT (default: blockctl's: $BLOCKD_TARGET, else "
                         "the daemon's default socket)")

@@ -29,6 +29,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from blockd import options
 from blockd_client import BlockdError, Client
 from blockd_client.retry import TOKEN_FILE_ENV
 
@@ -70,7 +71,7 @@ def probe(kind: str, target: str, token_file: str | None, timeout: float) -> tup
 
 def parser() -> argparse.ArgumentParser:
     """The command line (tests parse the manifests' probe commands with it)."""
-    p = argparse.ArgumentParser(prog="python -m blockd_apps.worker_health",
+    p = options.Parser(prog="python -m blockd_apps.worker_health",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("kind", choices=("ready", "live"),
                    help="ready: the worker can serve; live: the worker is renewing its lease")

@@ -19,7 +19,7 @@ import logging
 import sys
 
 import blockd
-from blockd import config, logs
+from blockd import config, logs, options
 from blockd.core.errors import BlockdError
 
 #: The daemon refused to start (see the module docstring).
@@ -29,7 +29,7 @@ log = logging.getLogger("blockd")
 
 
 def parser(prog: str = "python -m blockd.server") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog,
+    p = options.Parser(prog=prog,
                                 description="blockd: serve the KV-block manager daemon. Every "
                                             "field below is also a YAML key (--config) and a "
                                             "BLOCKD_<SECTION>_<FIELD> variable.")
