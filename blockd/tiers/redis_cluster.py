@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from redis import exceptions as rx
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from redis.cluster import ClusterNode, RedisCluster
 
 from blockd.tiers.histogram import Histogram
@@ -77,7 +79,8 @@ class RemoteCounters:
 
 
 def error_kind(exc: BaseException) -> str:
-    if isinstance(exc, rx.TimeoutError):
+    if isinstance(exc, rx.TimeoutError) or (isinstance(exc, rx.RedisClusterException)
+                                            and "Timeout" in str(exc)):
         return "timeout"
     if isinstance(exc, rx.OutOfMemoryError):
         return "full"
@@ -194,7 +197,7 @@ class RedisRemote:
                     username=s.username, password=s.password, ssl=s.tls,
                     ssl_ca_certs=s.tls_ca_file, socket_timeout=s.timeout_s,
                     socket_connect_timeout=s.timeout_s, require_full_coverage=False,
-                    cluster_error_retry_attempts=1)
+                    retry=Retry(NoBackoff(), retries=1))
                 client.ping(target_nodes=RedisCluster.RANDOM)
             except Exception as exc:
                 self._next_try = now + s.retry_s
@@ -213,10 +216,13 @@ class RedisRemote:
             self.counters.up = True
             return client
 
-    def _failed(self, exc: BaseException) -> None:
-        self.counters.errors[error_kind(exc)] += 1
+    def _failed(self, exc: BaseException, *, whole: bool = False) -> None:
+        """One command failed (``whole``: a whole pipeline or a probe could not reach the
+        cluster: it is down at once)."""
+        kind = error_kind(exc)
+        self.counters.errors[kind] += 1
         self._failures += 1
-        if self._failures >= DOWN_AFTER:
+        if self._failures >= DOWN_AFTER or whole and kind in ("connection", "cluster_down"):
             with self._client_lock:
                 client, self._client = self._client, None
                 self._next_try = time.monotonic() + self.settings.retry_s
@@ -227,16 +233,31 @@ class RedisRemote:
                 with contextlib.suppress(Exception):  # dropped because it is broken
                     client.close()
 
-    def _idle_reconnect(self) -> None:
-        if self._client is None:
+    def _idle(self) -> None:
+        """Nothing to do for ``retry_s``: reconnect if down, else probe (so that ``up`` says
+        the truth while nobody writes or reads)."""
+        client = self._client
+        if client is None:
             self._connect()
+            return
+        failure: BaseException | None = None
+        for primary in client.get_primaries():  # down only if no master answers
+            try:
+                client.ping(target_nodes=primary)
+            except Exception as exc:
+                failure = exc
+            else:
+                self._failures = 0
+                return
+        if failure is not None:
+            self._failed(failure, whole=True)
 
     def _publisher(self) -> None:
         while not self._stop.is_set():
             try:
                 item = self._values.get(timeout=self.settings.retry_s)
             except queue.Empty:
-                self._idle_reconnect()
+                self._idle()
                 continue
             if item is None:
                 return
@@ -265,7 +286,7 @@ class RedisRemote:
                 pipe.set(k, v, ex=ttl)
             results = pipe.execute(raise_on_error=False)
         except Exception as exc:
-            self._failed(exc)
+            self._failed(exc, whole=True)
             return
         ok = 0
         for (_, v), r in zip(batch, results, strict=False):
@@ -284,7 +305,7 @@ class RedisRemote:
             try:
                 job = self._fetches.get(timeout=self.settings.retry_s)
             except queue.Empty:
-                self._idle_reconnect()
+                self._connect()  # the publisher probes
                 continue
             if job is None:
                 return
@@ -307,7 +328,7 @@ class RedisRemote:
                 pipe.get(k)
             results = pipe.execute(raise_on_error=False)
         except Exception as exc:
-            self._failed(exc)
+            self._failed(exc, whole=True)
             return out
         ok = False
         for i, r in enumerate(results[:len(keys)]):

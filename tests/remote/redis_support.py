@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -57,23 +58,27 @@ class RedisCluster:
     def start(cls, workdir: Path, *, masters: int = 3, password: str | None = None,
               maxmemory: str | None = None) -> RedisCluster:
         c = cls(workdir, [free_port() for _ in range(masters)], password, maxmemory)
+        c.create()
+        return c
+
+    def create(self) -> None:
+        """Start a master on each of ``ports`` and make them one cluster."""
         try:
-            for p in c.ports:
-                c._spawn(p)
-            for p in c.ports:
-                c._wait_ping(p)
-            args = [f"127.0.0.1:{p}" for p in c.ports]
-            out = subprocess.run([REDIS_CLI or "redis-cli", *c._auth(), "--cluster", "create",
-                                  *args, "--cluster-replicas", "0", "--cluster-yes"],
+            for p in self.ports:
+                self._spawn(p)
+            for p in self.ports:
+                self._wait_ping(p)
+            args = [f"127.0.0.1:{p}" for p in self.ports]
+            out = subprocess.run([REDIS_CLI or "redis-cli", *self._auth(), "--cluster",
+                                  "create", *args, "--cluster-replicas", "0", "--cluster-yes"],
                                  capture_output=True, text=True, timeout=60)
             if out.returncode:
                 raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}"
                                    f"{out.stderr}")
-            c.wait_ok()
+            self.wait_ok()
         except BaseException:
-            c.stop()
+            self.stop()
             raise
-        return c
 
     @property
     def nodes(self) -> str:
@@ -119,7 +124,7 @@ class RedisCluster:
                     raise RuntimeError(f"cluster not ok on {p}")
                 time.sleep(0.1)
 
-    def keys(self, pattern: str = "blockd:*") -> list[tuple[int, str]]:
+    def stored_keys(self, pattern: str = "blockd:*") -> list[tuple[int, str]]:
         """Every (node port, key) matching ``pattern`` on the live masters."""
         out = []
         for p in self.ports:
@@ -127,19 +132,29 @@ class RedisCluster:
                 out += [(p, k) for k in self.cli(p, "--scan", "--pattern", pattern).split()]
         return out
 
+    def freeze(self, on: bool) -> None:
+        """SIGSTOP (or SIGCONT) every master: connections still open, nothing answers (a
+        cluster slower than any deadline), until thawed."""
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+
     def kill(self, port: int) -> None:
         proc = self.procs.pop(port)
         proc.kill()
         proc.wait()
 
-    def revive(self, port: int) -> None:
-        self._spawn(port)
-        self._wait_ping(port)
+    def revive(self, *ports: int) -> None:
+        """Start killed masters again on their ports (their node files keep their slots)."""
+        for p in ports:
+            self._spawn(p)
+        for p in ports:
+            self._wait_ping(p)
         self.wait_ok()
 
     def stop(self) -> None:
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
                 proc.kill()
             proc.wait()
         self.procs = {}
