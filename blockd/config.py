@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,6 +273,10 @@ class TenantsConfig:
                                       field=f"tenants.{name}")
 
 
+#: ``events.model_name`` values that are a template's placeholder, not a model (refused).
+PLACEHOLDER = re.compile(r"(?i)(replace|change)[-_ ]?me|todo|fixme|tbd|placeholder|<.*>")
+
+
 @dataclass(frozen=True)
 class EventsConfig:
     """Block events in vLLM's KV-events wire format over ZMQ (docs/kv_events.md)."""
@@ -301,8 +306,8 @@ class EventsConfig:
     model_name: str = option(
         "",
         "The model the default topic names: llm-d indexes every block of this node "
-        "under it, so use the model name the router scores requests for. Needed when "
-        "topic is \"\".")
+        "under it, so use the model name the router scores requests for. With topic \"\" "
+        "too: vLLM's default empty topic (llm-d needs the model; a warning says so).")
     pod_id: str = option(
         "",
         "The pod in the default topic; \"\" = $POD_IP, else $POD_NAME, else the host "
@@ -345,7 +350,9 @@ class EventsConfig:
                   ("hwm", self.hwm >= 1, "must be >= 1"),
                   ("wire_format", self.wire_format in ("vllm", "legacy"),
                    "must be 'vllm' or 'legacy'"),
-                  ("pod_id", "@" not in self.pod_id, "may not contain '@'"))
+                  ("pod_id", "@" not in self.pod_id, "may not contain '@'"),
+                  ("model_name", not PLACEHOLDER.fullmatch(self.model_name.strip()),
+                   "is a placeholder: set the model name your router scores requests for"))
         for name, ok, why in checks:
             if not ok:
                 raise InvalidArgument(f"events.{name} {why}, got {getattr(self, name)!r}",
@@ -357,12 +364,8 @@ class EventsConfig:
         Checked when the publisher is built (not per field: ``model_name`` and ``topic`` may
         come from different sources). The only reader of POD_IP / POD_NAME.
         """
-        if self.topic:
-            return self.topic
-        if not self.model_name:
-            raise InvalidArgument("events.model_name is needed for the default topic "
-                                  "kv@<pod>@<model> (or set events.topic)",
-                                  field="events.model_name")
+        if self.topic or not self.model_name:
+            return self.topic  # "" without a model: vLLM's own default topic
         env = os.environ if environ is None else environ
         pod = self.pod_id or env.get("POD_IP") or env.get("POD_NAME") or os.uname().nodename
         if "@" in pod:

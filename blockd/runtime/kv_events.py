@@ -183,6 +183,11 @@ class KvEventPublisher:
         self.medium = medium
         #: The topic frame of every message (``EventsConfig.resolved_topic``).
         self.topic = cfg.resolved_topic().encode("utf-8")
+        if not self.topic:
+            log.warning("KV events are published under vLLM's default empty topic: llm-d's "
+                        "KV-cache indexer needs kv@<pod>@<model>; set events.model_name (the "
+                        "model the router scores requests for) or events.topic",
+                        extra=logs.fields(endpoint=cfg.zmq_endpoint))
         self.legacy = cfg.wire_format == "legacy"
         #: Bound endpoints (a "*" port resolved), set by ``start``.
         self.endpoint = ""

@@ -616,10 +616,12 @@ def test_kv_events_are_on_with_the_downward_api(rendered: dict[str, Docs], name:
     env = {e["name"]: e for e in blockd["env"]}
     for var, field_path in DOWNWARD.items():
         assert env[var]["valueFrom"] == {"fieldRef": {"fieldPath": field_path}}, var
-    # The default topic, as the Pod's downward API fills it in.
-    assert ev.topic == "" and ev.model_name and not ev.pod_id
+    # The default topic, as the Pod's downward API fills it in; without a model (the CPU
+    # overlay, whose pool is no real model's), vLLM's default empty topic.
+    assert ev.topic == "" and not ev.pod_id
     pod = {"POD_NAME": "blockd-inference-7d9f-x2x1q", "POD_IP": "10.4.2.17"}
-    assert ev.resolved_topic(pod) == f"kv@10.4.2.17@{ev.model_name}"
+    assert ev.resolved_topic(pod) == (f"kv@10.4.2.17@{ev.model_name}" if ev.model_name else "")
+    assert bool(ev.model_name) == (name in ("gpu", "vllm"))
 
 
 # -- the NetworkPolicy -------------------------------------------------------------------------
@@ -878,7 +880,7 @@ def test_the_rendered_daemon_publishes_kv_events_under_the_pods_topic(
                     frames = sub.recv_multipart()
                     break
             assert frames is not None, "no KV event reached the subscriber"
-            assert frames[0] == f"kv@{d.env['POD_IP']}@{cfg.events.model_name}".encode()
+            assert frames[0] == cfg.events.resolved_topic(d.env).encode()
             assert len(frames) == 3  # topic, sequence number, payload
             # The shipped tenant is shared, so the unauthenticated stream carries token ids
             # (routers key blocks by them): the committed block's tokens are there.

@@ -661,16 +661,16 @@ def test_topic_and_format_settings_are_checked() -> None:
     assert cfg.resolved_topic({"POD_NAME": "blockd-0"}) == "kv@blockd-0@org/model"
     assert EventsConfig(model_name="m", pod_id="p:8000").resolved_topic(env) == "kv@p:8000@m"
     assert EventsConfig(topic="mine", model_name="m").resolved_topic(env) == "mine"
+    assert EventsConfig().resolved_topic(env) == ""  # vLLM's default topic
     bad: list[tuple[Callable[[], Any], str]] = [
-        (lambda: EventsConfig().resolved_topic(env), "events.model_name"),
+        (lambda: EventsConfig(model_name="replace-me"), "events.model_name"),
+        (lambda: EventsConfig(model_name="<your model>"), "events.model_name"),
         (lambda: EventsConfig(wire_format="msgpack"), "events.wire_format"),
         (lambda: EventsConfig(pod_id="a@b"), "events.pod_id"),
         (lambda: EventsConfig(hwm=0), "events.hwm"),
         (lambda: EventsConfig(max_batch=0), "events.max_batch"),
         (lambda: EventsConfig(topic="t", labels=True, wire_format="legacy").check(),
          "events.labels"),
-        (lambda: KvEventPublisher(EventsConfig(zmq_endpoint="tcp://127.0.0.1:*"),
-                                  block_size=4, medium="CPU"), "events.model_name"),
     ]
     for fn, field in bad:
         with pytest.raises(InvalidArgument) as exc:
