@@ -166,6 +166,9 @@ class RemoteTier:
             f"order={spec.kv_order} tp={spec.tp_size} slot_bytes={spec.slot_bytes}")
         self.slot_bytes = {name: s.slot_bytes for name, s in parts.specs.items()}
         self.retry_s = cfg.remote_retry_ms / 1000
+        #: Partitions with a lower tier for fetched blocks to join (a dedicated partition has
+        #: one only if its members have host or disk quotas: ``partition_tiers``).
+        self._tiered = {name for name, t in parts.tiers.items() if t.enabled}
         self.stats = RemoteStats()
         self._roots: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
         self._root_memo: OrderedDict[bytes, bytes] = OrderedDict()
@@ -201,9 +204,9 @@ class RemoteTier:
               ) -> AdmitResult | DoesNotFit | int:
         """``m.admit``, with the remote tier's part: the result, or (``wait``) the number of
         blocks a fetch is bringing, with nothing admitted."""
-        if not cache or not self.client.up:
-            return m.admit(session_id, scope, tokens, cache=cache, priority=priority)
         partition = self.parts.partition_of_tenant(tenant_id)
+        if not cache or not self.client.up or partition not in self._tiered:
+            return m.admit(session_id, scope, tokens, cache=cache, priority=priority)
         want = (len(tokens) // 4 - 1) // self.block_size  # an admit's most cached blocks
         if wait:
             reach = m.lookup(session_id, scope, tokens) // self.block_size

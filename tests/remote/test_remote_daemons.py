@@ -80,3 +80,40 @@ def test_a_prefix_computed_on_node_a_is_read_on_node_b_as_its_bytes(
         other = run_worker(b, "read", "bob", "globex", P, wait_for_remote=True)
         assert other["cached"] == 0
         assert b.metric("blockd_remote_bad_values_total") == 0
+
+
+def test_a_dedicated_tenant_keeps_its_remote_entries_apart_on_both_nodes(
+        tmp_path: Path, cluster: RedisCluster) -> None:
+    """``g1`` and ``g2`` share a group ``lab`` in a dedicated partition on each node; ``pub``
+    is public in the shared region. What ``g1`` computes on node A is hit by ``g2`` on node B
+    (the group's own bytes, from its own partition's tier), never by ``pub``."""
+    from daemon_proc import TENANTS, TOKENS
+    from daemon_proc import start as start_daemon
+
+    from blockd.runtime.tenants_file import token_hash
+
+    tenants = {"tenants": [
+        {"id": "g1", "quota_blocks": 8, "sharing": "group", "group": "lab",
+         "isolation": "dedicated", "host_quota_bytes": 8 * SLOT},
+        {"id": "g2", "quota_blocks": 8, "sharing": "group", "group": "lab",
+         "isolation": "dedicated", "host_quota_bytes": 8 * SLOT},
+        {"id": "pub", "quota_blocks": 8, "sharing": "public"}],
+        "workers": [
+            {"name": "carol", "token_sha256": token_hash(TOKENS["carol"]), "tenants": ["g1"]},
+            {"name": "dave", "token_sha256": token_hash(TOKENS["dave"]), "tenants": ["pub"]},
+            {"name": "bob", "token_sha256": token_hash(TOKENS["bob"]), "tenants": ["g2"]},
+            *[w for w in TENANTS["workers"] if w["name"] == "admin"]]}
+
+    def dnode(name: str) -> Daemon:
+        return start_daemon(tmp_path / name, num_blocks=8, tenants=tenants,
+                            extra=remote_cfg(tmp_path / name, cluster))
+
+    tokens = list(range(7000, 7014))
+    with dnode("a") as a, dnode("b") as b:
+        wrote = run_worker(a, "write", "carol", "g1", tokens)
+        assert wait_metric(a, "blockd_remote_written_values_total", 3) >= 3
+        other = run_worker(b, "read", "dave", "pub", tokens, wait_for_remote=True)
+        assert other["cached"] == 0
+        mine = run_worker(b, "read", "bob", "g2", tokens, wait_for_remote=True)
+        assert mine["cached"] == 12 and mine["pattern_ok"]
+        assert mine["digests"] == wrote["digests"][:3]
