@@ -13,7 +13,8 @@ top-level symbols.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -50,31 +51,53 @@ def _add_v1_file(pool: descriptor_pool.DescriptorPool) -> None:
     pool.Add(proto)
 
 
-#: grpcio-reflection's asyncio servicer; its stubs do not declare the parts overridden below.
-_Base: Any = reflection.aio.ReflectionServicer
+class _Reflection:
+    """grpcio-reflection's asyncio servicer, asked for a method's service where it is asked
+    for a method (which it does not resolve); each answer names the request as sent."""
 
+    def __init__(self, names: Iterable[str], pool: descriptor_pool.DescriptorPool) -> None:
+        #: Typed Any: its stubs declare ServerReflectionInfo a coroutine, not an async generator.
+        self.inner: Any = reflection.aio.ReflectionServicer(tuple(names), pool=pool)
+        self.pool = pool
 
-class _Servicer(_Base):  # type: ignore[misc]
-    """grpcio-reflection's asyncio servicer, which also resolves ``Service.Method``."""
+    def _service_of_method(self, symbol: str) -> str:
+        """``symbol``'s service when it names a method the pool has no file for, else ""."""
+        try:
+            self.pool.FindFileContainingSymbol(symbol)
+            return ""
+        except KeyError:
+            pass
+        service, _, method = symbol.rpartition(".")
+        try:
+            found = self.pool.FindServiceByName(service)
+        except KeyError:
+            return ""
+        return service if method in found.methods_by_name else ""
 
-    def _file_containing_symbol(self, request: Any, fully_qualified_name: str) -> Any:
-        answer = super()._file_containing_symbol(request, fully_qualified_name)
-        service, _, method = fully_qualified_name.rpartition(".")
-        if answer.HasField("error_response") and service:
-            try:
-                found = self._pool.FindServiceByName(service)
-            except KeyError:
-                return answer
-            if method in found.methods_by_name:
-                return super()._file_containing_symbol(request, service)
-        return answer
+    async def ServerReflectionInfo(self, requests: AsyncIterator[Any], context: Any
+                                   ) -> AsyncIterator[Any]:
+        sent: deque[Any] = deque()
+
+        async def asked() -> AsyncIterator[Any]:
+            async for request in requests:
+                sent.append(request)
+                service = (self._service_of_method(request.file_containing_symbol)
+                           if request.HasField("file_containing_symbol") else "")
+                if service:
+                    request = alpha.ServerReflectionRequest(
+                        host=request.host, file_containing_symbol=service)
+                yield request
+
+        async for response in self.inner.ServerReflectionInfo(asked(), context):
+            response.original_request.CopyFrom(sent.popleft())
+            yield response
 
 
 def enable(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
     """Reflection of ``service_names`` and of itself, under v1 and v1alpha."""
     pool = descriptor_pool.Default()
     _add_v1_file(pool)
-    servicer = _Servicer((*service_names, *SERVICE_NAMES), pool=pool)
+    servicer = _Reflection((*service_names, *SERVICE_NAMES), pool)
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
         request_deserializer=alpha.ServerReflectionRequest.FromString,

@@ -81,8 +81,7 @@ def test_operation_errors_have_every_series_from_the_first_scrape(tmp_path) -> N
         assert "OK" not in first
         w = Worker(d.stub(), "alice", "acme")
         out = w.step(admit([1] * 400))  # over acme's 40-block quota: the operation fails
-        assert out.results[0].status.code == pb.StatusCode.Value("STATUS_CODE_RESOURCE_EXHAUSTED") \
-            if hasattr(pb, "StatusCode") else out.results[0].status.code == 8
+        assert out.results[0].status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         after = error_series(scrape(d)[2])
         assert set(after) == set(first)
         assert after["RESOURCE_EXHAUSTED"] == 1.0
