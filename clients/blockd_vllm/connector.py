@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from blockd_vllm.layout import engine_shape
+from blockd_vllm.link import detach_session
 from blockd_vllm.metadata import BlockdMetadata
 from blockd_vllm.settings import Settings
 from blockd_vllm.stats import BlockdConnectorStats
@@ -102,8 +103,15 @@ class BlockdConnector(KVConnectorBase_V1):
             BlockdConnectorStats()
 
     def shutdown(self) -> None:
+        """A clean exit detaches the engine's session (blockd releases what it held now, not
+        when its lease runs out). The worker does it: vLLM shuts the workers down first,
+        after their last step (no copy in flight), and may kill the engine core before its
+        own shutdown reaches the scheduler side, which detaches too when it gets there."""
         if self.worker is not None:
+            ref = self.worker.pool_ref
             self.worker.close()
+            if ref is not None and detach_session(self.settings, ref.session_id):
+                log.info("blockd_vllm: detached session %s (engine shut down)", ref.session_id)
         if self.scheduler is not None:
             self.scheduler.close()
 

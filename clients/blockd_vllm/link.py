@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
+from blockd.api.v1 import blockd_pb2 as pb
 from blockd_client import BlockdError, Client, EpochChanged
 from blockd_vllm.layout import KvShape
 from blockd_vllm.settings import Settings
@@ -58,6 +59,44 @@ def until_answered(settings: Settings, call: Callable[[], T]) -> T:
             time.sleep(0.2)
 
 
+def kv_layout(shape: KvShape) -> Any:
+    """The layout an Attach declares for ``shape``."""
+    from blockd_gpu.layout import KvLayout
+
+    return KvLayout(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                    head_dim=shape.head_dim, block_size=shape.block_size, dtype=shape.dtype)
+
+
+def start_error(settings: Settings, shape: KvShape, err: BlockdError) -> str:
+    """An Attach refused at engine start, naming the extra-config key (or the KV layout, with
+    vLLM's) and blockd's reason."""
+    where = {grpc.StatusCode.UNAUTHENTICATED: "kv_connector_extra_config.token_file",
+             grpc.StatusCode.PERMISSION_DENIED: "kv_connector_extra_config.tenant",
+             grpc.StatusCode.NOT_FOUND: "kv_connector_extra_config.tenant"}.get(
+                 err.status, "the engine's KV layout")
+    detail = err.message
+    if err.field.startswith("layout."):
+        detail = f"{err.message} (vLLM: {shape.describe()})"
+    return (f"blockd_vllm: blockd at {settings.target!r} refused to attach tenant "
+            f"{settings.tenant!r}: {err.status.name} on {where}: {detail}")
+
+
+def detach_session(settings: Settings, session_id: str) -> bool:
+    """Close ``session_id`` (an engine's session) from any process that has the engine's
+    settings; False when blockd did not answer or the session is gone already."""
+    client = Client(settings.target, token_file=settings.token_file,
+                    timeout=min(settings.rpc_timeout_s, 2.0), retries=1, backoff=0.02,
+                    reconnect_s=0.0)
+    try:
+        client.call(client.stub.Detach, pb.DetachRequest(session_id=session_id))
+        return True
+    except BlockdError as err:
+        log.debug("blockd_vllm: detaching session %s: %s", session_id, err)
+        return False
+    finally:
+        client.close()
+
+
 class Listener(Protocol):
     def lost(self) -> None: ...
     def epoch_changed(self, err: EpochChanged) -> None: ...
@@ -90,32 +129,20 @@ class Link:
     # -- start ---------------------------------------------------------------------------------
 
     def _attach_at_start(self) -> Any:
-        from blockd_gpu.layout import KvLayout
-
-        layout = KvLayout(num_layers=self.shape.num_layers, num_kv_heads=self.shape.num_kv_heads,
-                          head_dim=self.shape.head_dim, block_size=self.shape.block_size,
-                          dtype=self.shape.dtype)
         try:
             session = until_answered(self.settings, lambda: self.client.attach(
-                self.settings.tenant, layout, map_pool=False,
+                self.settings.tenant, kv_layout(self.shape), map_pool=False,
                 worker_name=self.settings.worker_name, lease_ms=self.settings.lease_ms))
         except BlockdError as err:
-            raise RuntimeError(self._start_error(err)) from None
+            self.client.close()  # the engine is ending: leave no channel behind
+            raise RuntimeError(start_error(self.settings, self.shape, err)) from None
+        except BaseException:
+            self.client.close()
+            raise
         log.info("blockd_vllm: attached to %s as tenant %s (session %s, epoch %d, pool %s)",
                  self.settings.target, self.settings.tenant, session.session_id,
                  session.epoch, self.shape.describe())
         return session
-
-    def _start_error(self, err: BlockdError) -> str:
-        where = {grpc.StatusCode.UNAUTHENTICATED: "kv_connector_extra_config.token_file",
-                 grpc.StatusCode.PERMISSION_DENIED: "kv_connector_extra_config.tenant",
-                 grpc.StatusCode.NOT_FOUND: "kv_connector_extra_config.tenant"}.get(
-                     err.status, "the engine's KV layout")
-        detail = err.message
-        if err.field.startswith("layout."):
-            detail = f"{err.message} (vLLM: {self.shape.describe()})"
-        return (f"blockd_vllm: blockd at {self.settings.target!r} refused to attach tenant "
-                f"{self.settings.tenant!r}: {err.status.name} on {where}: {detail}")
 
     # -- calls ---------------------------------------------------------------------------------
 

@@ -1,20 +1,29 @@
 """Checks at engine start that need blockd itself, made from the worker process.
 
 vLLM builds the worker side of a connector before it loads the model and the scheduler side only
-after the KV cache exists, so the scheduler's Attach (which checks the whole layout) comes a
-model load later. This asks blockd's Stats at once: whether the target answers, whether the
-token is accepted, whether the token may act for the tenant, and whether the pool's block size
-is vLLM's, each refused with the extra-config key and both values named.
+after the KV cache exists, so the scheduler's Attach comes a model load later (minutes for a
+large model). This checks everything that Attach will check, at once: whether the target
+answers (``connect_timeout_s``), whether the token is accepted, whether it may act for the
+tenant and whether the pool's block size is vLLM's (blockd's Stats), then the whole KV layout
+through a probe session that is detached at once (an Attach with the engine's layout, mapping
+nothing). Each refusal raises RuntimeError naming the extra-config key and both values, in the
+worker's constructor, where vLLM's own error path ends the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
+from blockd.api.v1 import blockd_pb2 as pb
 from blockd_client import BlockdError, Client
 from blockd_vllm.layout import KvShape
-from blockd_vllm.link import until_answered
+from blockd_vllm.link import kv_layout, start_error, until_answered
 from blockd_vllm.settings import Settings
+
+#: Appended to ``worker_name`` for the probe session (it shows in blockd's logs as such).
+PROBE_SUFFIX = "-preflight"
 
 
 def preflight(settings: Settings, shape: KvShape) -> None:
@@ -22,6 +31,15 @@ def preflight(settings: Settings, shape: KvShape) -> None:
                     timeout=settings.rpc_timeout_s, retries=1, backoff=0.02, reconnect_s=0.0)
     try:
         stats = until_answered(settings, client.stats)
+        _check_stats(settings, shape, stats)
+        try:
+            probe = until_answered(settings, lambda: client.attach(
+                settings.tenant, kv_layout(shape), map_pool=False,
+                worker_name=settings.worker_name + PROBE_SUFFIX, lease_ms=settings.lease_ms))
+        except BlockdError as err:
+            raise RuntimeError(start_error(settings, shape, err)) from None
+        with contextlib.suppress(BlockdError):  # else its lease ends it
+            probe.detach()
     except BlockdError as err:
         what = ("rejected the credential" if err.status == grpc.StatusCode.UNAUTHENTICATED
                 else f"refused Stats ({err.status.name})")
@@ -31,9 +49,13 @@ def preflight(settings: Settings, shape: KvShape) -> None:
             f"{err.message}") from None
     finally:
         client.close()
-    if stats.block_size != shape.block_size:
+
+
+def _check_stats(settings: Settings, shape: KvShape, stats: pb.StatsResponse) -> None:
+    block_size = stats.block_size
+    if block_size != shape.block_size:
         raise RuntimeError(f"blockd_vllm: block size mismatch: blockd's pool at "
-                           f"{settings.target!r} has block_size={stats.block_size}, vLLM's "
+                           f"{settings.target!r} has block_size={block_size}, vLLM's "
                            f"block_size is {shape.block_size}")
     tenants = [t.tenant_id for t in stats.tenants]
     if settings.tenant not in tenants:

@@ -1,0 +1,164 @@
+"""Engine start and exit with the connector (issue 27, item 3), real engines on real daemons.
+
+Every refusal at start (a pool of another layout, a tenant the credential may not act for, a
+bad token, a target nobody answers at, a block size vLLM's CPU attention cannot run) ends the
+engine process by itself with an error naming the key, and leaves none of its processes
+behind; an engine that exits cleanly detaches its session (blockd logs ``reason=detach``, not
+``lease expired``). The engines' start-up timeout (``START_TIMEOUT_S``, minutes) is only the
+hang guard: the tests wait for the process to end, they time nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_support import (
+    POOL,
+    TENANTS,
+    Engine,
+    connector_config,
+    daemon_proc,
+    shared_prefix_workload,
+    start_daemon,
+    stats,
+)
+
+from blockd_apps.vllm_engine import START_TIMEOUT_S
+
+#: vLLM's CPU build reserves one more core with a kv_transfer_config; on 2 cores that starves
+#: the worker (docs/vllm.md, "On CPU").
+ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def alive_in_group(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that are still running (zombies excluded)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+def ended_by_itself(engine: Engine) -> str:
+    """Wait for an engine that must refuse to start; its log. Fails (after the hang guard) if
+    it did not end by itself, or if any of its processes outlived it."""
+    try:
+        code = engine.proc.wait(START_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the hang guard: report what it printed
+        engine.kill()
+        pytest.fail("the engine neither started nor ended (hung):\n" + engine.log()[-4000:])
+    deadline = time.monotonic() + 60  # vLLM's own teardown of its children (a guard only)
+    while alive_in_group(engine.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = alive_in_group(engine.proc.pid)
+    engine.kill()
+    log = engine.log()
+    assert code != 0 and not engine._up, log[-4000:]
+    assert not left, f"processes of the failed engine still running: {left}\n{log[-3000:]}"
+    return log
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """The tests' daemon (their layout, tenants acme and globex), one whose pool has 3 layers
+    (the model has 2), one with blocks of 16 (vLLM's CPU attention needs multiples of 32)."""
+    root = tmp_path_factory.mktemp("blockd-start")
+    good = start_daemon(root / "good", lease_ms=60_000)
+    layers = daemon_proc.start(root / "layers", num_blocks=64, tenants=TENANTS,
+                               extra={"pool": {**POOL, "num_layers": 3}})
+    small = daemon_proc.start(root / "small", num_blocks=64, tenants=TENANTS,
+                              extra={"pool": {**POOL, "block_size": 16}})
+    for d in (layers, small):
+        (d.workdir / "alice.token").write_text("tok-alice\n")
+    (good.workdir / "bad.token").write_text("tok-nobody\n")
+    try:
+        yield {"good": good, "layers": layers, "small": small}
+    finally:
+        for d in (good, layers, small):
+            d.stop()
+
+
+def refused(model_dir: Path, kv: dict, **options) -> str:
+    return ended_by_itself(Engine(model_dir, kv, wait=False, env=ENV, **options))
+
+
+def test_layout_mismatch_ends_the_engine_naming_both_layouts(daemons, model_dir: Path) -> None:
+    log = refused(model_dir, connector_config(daemons["layers"], "acme", "alice"))
+    assert "layout mismatch: the pool has num_layers=3, the worker expects 2" in log
+    assert "vLLM: num_layers=2 block_size=32" in log
+
+
+def test_unknown_tenant_ends_the_engine_naming_the_key(daemons, model_dir: Path) -> None:
+    log = refused(model_dir, connector_config(daemons["good"], "nobody", "alice"))
+    assert "kv_connector_extra_config.tenant='nobody' is not a tenant" in log
+    assert "it may act for ['acme']" in log
+
+
+def test_bad_token_ends_the_engine_naming_the_key(daemons, model_dir: Path) -> None:
+    d = daemons["good"]
+    log = refused(model_dir, connector_config(d, "acme", "bad"))
+    assert "rejected the credential" in log
+    assert f"kv_connector_extra_config.token_file='{d.workdir / 'bad.token'}'" in log
+
+
+def test_unreachable_target_ends_the_engine_naming_the_key(tmp_path: Path,
+                                                           model_dir: Path) -> None:
+    target = f"unix:{tmp_path}/nobody.sock"
+    kv = {"kv_connector": "BlockdConnector", "kv_connector_module_path": "blockd_vllm",
+          "kv_role": "kv_both", "kv_connector_extra_config": {
+              "target": target, "tenant": "acme", "connect_timeout_s": 1.0}}
+    log = refused(model_dir, kv)
+    assert f"kv_connector_extra_config.target={target!r} did not answer" in log
+
+
+def test_block_size_vllm_cannot_run_ends_the_engine(daemons, model_dir: Path) -> None:
+    """blockd's pool and vLLM agree on 16, but vLLM's CPU attention cannot run it: vLLM's own
+    refusal, after the model load, ends the engine too."""
+    log = refused(model_dir, connector_config(daemons["small"], "acme", "alice"),
+                  block_size=16)
+    assert "No common block size for 16" in log
+
+
+def session_lines(d, worker: str) -> list[str]:  # type: ignore[no-untyped-def]
+    return [line for line in d.log_text().splitlines()
+            if "msg=\"session " in line and re.search(rf"\bworker={worker}\b", line)]
+
+
+def test_clean_exit_detaches_the_session(daemons, model_dir: Path) -> None:
+    """An engine that ends cleanly (its LLM's process exits) closes its session with a Detach:
+    the daemon (lease 60 s) logs ``reason=detach`` and holds no session at once."""
+    d = daemons["good"]
+    engine = Engine(model_dir, connector_config(d, "acme", "alice", worker_name="clean-exit"),
+                    env=ENV)
+    try:
+        prompts = shared_prefix_workload(seed=71, n=3)
+        engine.generate(prompts)
+        assert stats(d).num_sessions == 1
+    finally:
+        engine.stop()
+    assert engine.proc.returncode == 0, engine.log()[-3000:]
+    assert stats(d).num_sessions == 0  # detached before the process ended
+    closed: list[str] = []
+    for _ in range(100):  # the daemon's log reaches the test through a pipe
+        closed = [line for line in session_lines(d, "clean-exit") if "session closed" in line]
+        if closed:
+            break
+        time.sleep(0.1)
+    assert closed, d.log_text()[-3000:]
+    assert all("reason=detach" in line for line in closed), closed
+    # The start-up probe (the whole layout checked before the model load) detached too.
+    probe = session_lines(d, "clean-exit-preflight")
+    assert [("attached" in p, "reason=detach" in p) for p in probe] == [(True, False),
+                                                                      (False, True)], probe
