@@ -7,7 +7,10 @@ so a block-size or layout mismatch refuses to start). Per request:
    the verified cached prefix (``num_cached_tokens``, full blocks only, never the last prompt
    token) *and holds references to those blocks*, so nothing can evict them between this lookup
    and the load; the rest of the prompt gets fresh blocks to save into. The external hit is
-   what blockd holds beyond vLLM's own local hit.
+   what blockd holds beyond vLLM's own local hit. With a remote tier on the daemon, the admit
+   may instead be answered "pending" (blockd is fetching the prefix from the cluster): the
+   answer is None, vLLM's scheduler skips the request this step and asks again next step, for
+   at most ``remote_wait_s``; the fetched blocks are then an ordinary hit.
 2. ``update_state_after_alloc``: the loads, blockd block -> vLLM block for the external tokens.
 3. ``build_connector_meta`` (every step): the saves of prompt blocks this step completes, and
    one Step RPC for the bookkeeping. Once the workers *reported* every full prompt block saved
@@ -25,6 +28,7 @@ and carries on with the re-attached session.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +45,13 @@ from blockd_vllm.namespace import EngineNamespace
 from blockd_vllm.settings import Settings
 
 log = logging.getLogger("blockd_vllm")
+
+class Pending:
+    """``_admit``'s answer while blockd fetches the prompt's prefix from its remote tier."""
+
+
+PENDING = Pending()
+
 
 @dataclass
 class Plan:
@@ -101,6 +112,8 @@ class SchedulerSide:
         #: The last numbered step the workers reported back.
         self.worker_step = 0
         self.counters: Counter[str] = Counter()
+        #: Requests answered "pending" (a remote fetch), by when they first were.
+        self._waiting: dict[str, float] = {}
         #: The fence of the last Step blockd answered (the worker publishes no other).
         self.announced = 0
         self.link = Link(settings, shape, self.counters)
@@ -176,12 +189,14 @@ class SchedulerSide:
             return False
         return len(tokens) > self.B
 
-    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int:
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
+        """The external hit, or None: blockd is fetching the prompt's prefix from its remote
+        tier, so vLLM's scheduler skips the request this step and asks again."""
         with self._lock:
             self._flush_if_idle()  # this engine's own finished commits become hittable
             return self._matched(request, num_computed)
 
-    def _matched(self, request: Any, num_computed: int) -> int:
+    def _matched(self, request: Any, num_computed: int) -> int | None:
         rid = request.request_id
         plan = self.plans.get(rid)
         if plan is not None and plan.abandoned:
@@ -194,19 +209,27 @@ class SchedulerSide:
             if not self.eligible(request):
                 return 0
             plan = self._admit(request)
+            if plan is PENDING:
+                return None
             if plan is None:
                 return 0
             self.plans[rid] = plan
         plan.local_tokens = num_computed
         return max(0, plan.hit_tokens - num_computed)
 
-    def _admit(self, request: Any) -> Plan | None:
+    def _admit(self, request: Any) -> Plan | Pending | None:
         tokens = list(request.prompt_token_ids)
         ns = self.namespace.for_request(request)
-        resp = self._step([rq.admit(tokens, ns, request.request_id)])
+        rid = request.request_id
+        wait = self._may_wait(rid)
+        resp = self._step([rq.admit(tokens, ns, rid, wait_for_remote=wait)])
         if resp is None:
             return None
         res = resp.results[0]
+        if not res.status.code and res.admit.pending_remote_blocks:
+            self.counters["remote_pending"] += 1
+            return PENDING
+        self._waiting.pop(rid, None)
         if res.status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
             # No room for the whole prompt: pin just the cached prefix (loads, no saves).
             self.counters["admit_no_room"] += 1
@@ -223,6 +246,18 @@ class SchedulerSide:
         return Plan(a.sequence_id, self.session.epoch, len(tokens), a.num_cached_tokens,
                     list(a.block_table), saved=a.num_cached_tokens // self.B,
                     session_id=self.session.session_id)
+
+    def _may_wait(self, rid: str) -> bool:
+        """Whether request ``rid`` may still wait for a remote fetch (``remote_wait_s`` from
+        its first "pending" answer)."""
+        budget = self.settings.remote_wait_s
+        if budget <= 0:
+            return False
+        first = self._waiting.setdefault(rid, time.monotonic())
+        if time.monotonic() - first < budget:
+            return True
+        self.counters["remote_wait_expired"] += 1
+        return False
 
     def _admit_hit_only(self, tokens: list[int], ns: pb.CacheNamespace, rid: str
                         ) -> Plan | None:
@@ -380,6 +415,7 @@ class SchedulerSide:
     def finished(self, request: Any) -> None:
         """The request ended: its plan is released (after a commit, when its saves were all
         handed out and are reported done) in the next Step."""
+        self._waiting.pop(request.request_id, None)  # aborted while it waited
         plan = self.plans.get(request.request_id)
         if plan is not None:
             plan.finished = True

@@ -15,7 +15,7 @@ from typing import Any
 
 KNOWN_KEYS = frozenset({
     "target", "tenant", "token_file", "model_revision", "connect_timeout_s", "rpc_timeout_s",
-    "retry_interval_s", "lease_ms", "worker_name",
+    "retry_interval_s", "lease_ms", "worker_name", "remote_wait_s",
 })
 
 
@@ -39,6 +39,11 @@ class Settings:
     lease_ms: int = 0
     #: A display name for the session in blockd's logs and ListSequences.
     worker_name: str = "vllm"
+    #: With a remote tier on the daemon: how long a new request may wait in vLLM's queue
+    #: (the scheduler skips it and asks again next step; it never blocks) while blockd
+    #: fetches its prefix from the cluster; then it goes ahead with what arrived (0: never
+    #: wait, admit the local hit at once).
+    remote_wait_s: float = 1.0
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Settings:
@@ -74,6 +79,7 @@ class Settings:
                    rpc_timeout_s=_positive(extra, "rpc_timeout_s", 2.0),
                    retry_interval_s=_positive(extra, "retry_interval_s", 1.0),
                    lease_ms=int(_positive(extra, "lease_ms", 0, allow_zero=True)),
+                   remote_wait_s=_positive(extra, "remote_wait_s", 1.0, allow_zero=True),
                    worker_name=str(extra.get("worker_name", "vllm")))
 
 
