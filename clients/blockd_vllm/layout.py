@@ -23,9 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: vLLM cache dtype names blockd pools can hold (blockd refuses float8 pools).
-DTYPES = {"float32": "float32", "float16": "float16", "half": "float16",
-          "bfloat16": "bfloat16"}
+from blockd import wire
 
 
 @dataclass(frozen=True)
@@ -44,22 +42,65 @@ class KvShape:
 
 
 def engine_shape(vllm_config: Any) -> KvShape:
-    """The KV shape vLLM's config implies (the scheduler side attaches with it)."""
+    """The KV shape vLLM's config implies (the scheduler side attaches with it; ``blockd-vllm
+    layout`` prints it). A model or setting whose KV cache is not one full-attention block
+    table per layer of one shape is refused with the reason (``unsupported_model``)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         raise ValueError(
             f"blockd_vllm: tensor_parallel_size={pc.tensor_parallel_size} and "
             f"pipeline_parallel_size={pc.pipeline_parallel_size}: this connector supports one "
             f"worker per engine (1 and 1) for now (docs/vllm.md, limits)")
+    why = unsupported_model(mc)
+    if why:
+        raise ValueError(f"blockd_vllm: model {mc.model!r} is refused: {why}")
     cache_dtype = str(cc.cache_dtype)
-    if cache_dtype == "auto":
-        cache_dtype = str(mc.dtype).removeprefix("torch.")
-    if cache_dtype not in DTYPES:
-        raise ValueError(f"blockd_vllm: kv cache dtype {cache_dtype!r} is not one a blockd pool "
-                         f"holds ({sorted(set(DTYPES.values()))})")
+    if cache_dtype == "auto":  # vLLM's choice for the model (a float32 checkpoint may run
+        cache_dtype = str(mc.dtype).removeprefix("torch.")  # as bfloat16 on CPU)
+    try:
+        dtype = wire.canonical_dtype(cache_dtype, field="kv_cache_dtype")
+    except wire.WireError as err:
+        raise ValueError(f"blockd_vllm: kv cache dtype {cache_dtype!r} is not one a blockd "
+                         f"pool holds ({', '.join(wire.DTYPES)}): {err.problem}") from None
     return KvShape(num_layers=mc.get_num_layers(pc), block_size=cc.block_size,
                    num_kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
-                   dtype=DTYPES[cache_dtype])
+                   dtype=dtype)
+
+
+#: ``layer_types`` spellings of a full-attention layer (vLLM's own spellings, and the
+#: transformers ones).
+FULL_ATTENTION = frozenset({"attention", "full_attention"})
+
+
+def unsupported_model(mc: Any) -> str:
+    """Why blockd cannot hold this model's KV cache ("" when it can): blockd's pool is one
+    ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` tensor of full-attention K/V, and
+    the connector maps vLLM's one KV-cache group onto it. Sliding-window layers (vLLM frees
+    their blocks outside the window and keeps one group per kind), hybrid models (mamba or
+    linear attention layers hold state, not per-token K/V), MLA (one latent per token, not K and
+    V per head), attention-free and encoder-decoder models are none of that."""
+    if getattr(mc, "is_attention_free", False):
+        return "it has no attention layers (no KV cache to share)"
+    if getattr(mc, "is_hybrid", False):
+        return ("it is a hybrid model (mamba / linear-attention layers keep a state, not "
+                "per-token K/V, in KV-cache groups of their own)")
+    if getattr(mc, "use_mla", False):
+        return ("it uses multi-head latent attention (one compressed latent per token, not K "
+                "and V per KV head)")
+    if getattr(mc, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model (cross-attention KV is per request)"
+    window = mc.get_sliding_window()
+    if window is not None:
+        return (f"it uses sliding-window attention (sliding_window={window}): vLLM frees the "
+                f"blocks outside the window, so they cannot be saved or shared "
+                f"(vLLM's --disable-sliding-window runs it with full attention, its max model "
+                f"length capped to the window)")
+    layer_types = getattr(mc.hf_text_config, "layer_types", None) or []
+    other = sorted(set(layer_types) - FULL_ATTENTION)
+    if other:
+        return (f"its layers are not all full attention (layer_types has {other}): vLLM keeps "
+                f"one KV-cache group per kind of layer")
+    return ""
 
 
 def block_view(t: Any, shape: KvShape, layout_name: str | None = None) -> Any:
