@@ -117,3 +117,35 @@ def test_a_dedicated_tenant_keeps_its_remote_entries_apart_on_both_nodes(
         mine = run_worker(b, "read", "bob", "g2", tokens, wait_for_remote=True)
         assert mine["cached"] == 12 and mine["pattern_ok"]
         assert mine["digests"] == wrote["digests"][:3]
+
+
+def test_fetched_blocks_survive_kill_9_of_node_b_on_its_state_dir(
+        tmp_path: Path, cluster: RedisCluster) -> None:
+    """The blocks a fetch put in node B's host tier are journalled (``AdoptRecord``): after a
+    ``kill -9`` and a restart on the state dir, with the cluster flushed meanwhile, node B
+    still hits them, from its own host tier, as exactly their bytes."""
+    from daemon_proc import kill9, restart
+
+    tokens = list(range(8000, 8014))
+    extra_b = remote_cfg(tmp_path / "b", cluster)
+    extra_b["state"] = {"dir": str(tmp_path / "b" / "state")}
+    with node(tmp_path, "a", cluster) as a:
+        wrote = run_worker(a, "write", "alice", "acme", tokens)
+        assert wait_metric(a, "blockd_remote_written_values_total", 3) >= 3
+    b = start(tmp_path / "b", num_blocks=8, extra=extra_b)
+    try:
+        got = run_worker(b, "read", "alice", "acme", tokens, wait_for_remote=True)
+        assert got["cached"] == 12
+        kill9(b)
+        for p in cluster.ports:
+            cluster.cli(p, "flushall")
+        b = restart(b)
+        # The host tier's index came back from the journal (nothing was fetched since).
+        assert b.metric('blockd_tier_used_slots{tier="host"}') >= 3
+        misses = b.metric("blockd_remote_miss_blocks_total")
+        again = run_worker(b, "read", "alice", "acme", tokens, wait_for_remote=True)
+        assert again["cached"] == 12 and again["pattern_ok"]
+        assert again["digests"] == wrote["digests"][:3]
+        assert b.metric("blockd_remote_miss_blocks_total") == misses  # not fetched again
+    finally:
+        b.stop()
