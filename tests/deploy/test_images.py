@@ -23,6 +23,7 @@ import pytest
 import yaml
 from daemon_proc import Daemon, Worker, md, start
 from deploy_support import DEPLOY, ROOT
+from packaging.specifiers import SpecifierSet
 
 from blockd import config as blockd_config
 from blockd.api.v1 import blockd_pb2 as pb
@@ -247,6 +248,9 @@ def test_constraints_pin_every_runtime_dependency_consistently() -> None:
         exact = re.fullmatch(r"==\s*([\w.]+)", m.group(2).strip())
         if exact:
             assert pins[name] == exact.group(1), f"{name}: pyproject {exact.group(1)}"
+        # A range (redis>=5,<9): the pin must be inside it, or pip -c cannot install both.
+        assert SpecifierSet(m.group(2).split(";")[0].strip()).contains(pins[name]), \
+            f"{name}=={pins[name]} (constraints.txt) is outside pyproject's {m.group(2)!r}"
 
 
 @pytest.mark.parametrize("variant", list(DOCKERFILES))
