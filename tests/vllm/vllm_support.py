@@ -118,3 +118,24 @@ class Prestarted:
         for engine in self.started.values():
             engine.stop()
         self.started.clear()
+
+
+def with_tokenizer(model: Path) -> Path:
+    """Give the tiny model a tokenizer (no hub is reachable), so an OpenAI-compatible server
+    can serve it as it serves any model: word-level, the word ``w<id>`` is token ``id`` for
+    every id of the vocabulary, words split at spaces (``w0`` for an unknown word)."""
+    if (model / "tokenizer.json").exists():
+        return model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(1024)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # No special tokens: their strings would be matched inside words ("w1" in "w177").
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(model)
+    return model
+
+
+def words(ids: list[int]) -> str:
+    """The prompt text whose tokens are ``ids`` (``with_tokenizer``'s vocabulary)."""
+    return " ".join(f"w{i}" for i in ids)
