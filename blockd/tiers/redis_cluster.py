@@ -28,11 +28,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis import exceptions as rx
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 
 from blockd.tiers.histogram import Histogram
 
@@ -113,6 +114,7 @@ class RedisRemote:
         self._client_lock = threading.Lock()
         self._failures = 0
         self._next_try = 0.0
+        self._next_refresh = 0.0
         self._values: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(
             settings.queue_values)
         self._fetches: queue.Queue[FetchJob | None] = queue.Queue(settings.queue_fetches)
@@ -273,6 +275,56 @@ class RedisRemote:
                 batch.append(nxt)
             self._write(batch)
 
+    def _by_node(self, client: RedisCluster, commands: list[tuple[Any, ...]]
+                 ) -> list[Any]:
+        """Run ``commands`` (``(name, key, *args)``) in one pipeline per master that owns
+        their keys' slots, so that a master that is down or slow fails its own keys only
+        (one cluster pipeline fails as a whole). Each command's reply, or the exception that
+        failed it; the cluster is down (``_failed(whole=True)``) only if every master failed."""
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        out: list[Any] = [None] * len(commands)
+        for i, (_, key, *_rest) in enumerate(commands):
+            try:
+                node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+            except Exception as exc:  # a slot no master serves
+                out[i] = exc
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        failure: BaseException | None = None
+        reached = False
+        for node, idx in groups.values():
+            try:
+                conn = client.get_redis_connection(node)
+                pipe = conn.pipeline(transaction=False)
+                for i in idx:
+                    name, key, *args = commands[i]
+                    getattr(pipe, name)(key, *args)
+                replies = pipe.execute(raise_on_error=False)
+            except Exception as exc:
+                failure = exc
+                for i in idx:
+                    out[i] = exc
+                continue
+            reached = True
+            for i, r in zip(idx, replies, strict=True):
+                out[i] = r
+        if failure is not None:
+            self._refresh(client)
+            if not reached:
+                self._failed(failure, whole=True)
+                return out
+        return out
+
+    def _refresh(self, client: RedisCluster) -> None:
+        """A master failed: reload the slot map (a failover may have moved its slots), at
+        most once per ``retry_s``."""
+        now = time.monotonic()
+        if now < self._next_refresh:
+            return
+        self._next_refresh = now + self.settings.retry_s
+        with contextlib.suppress(Exception):  # the map stays as it was
+            client.nodes_manager.initialize()
+
     def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
         client = self._connect()
         if client is None:
@@ -280,16 +332,10 @@ class RedisRemote:
             return
         t0 = time.perf_counter()
         ttl = self.settings.ttl_s or None
-        try:
-            pipe = client.pipeline()
-            for k, v in batch:
-                pipe.set(k, v, ex=ttl)
-            results = pipe.execute(raise_on_error=False)
-        except Exception as exc:
-            self._failed(exc, whole=True)
-            return
+        commands = [("set", k, v, ttl) for k, v in batch]
+        results = self._by_node(client, commands)
         ok = 0
-        for (_, v), r in zip(batch, results, strict=False):
+        for (_, v), r in zip(batch, results, strict=True):
             if isinstance(r, BaseException):
                 self._failed(r)
             else:
@@ -322,14 +368,7 @@ class RedisRemote:
             self.counters.dropped["down"] += 1
             return out
         t0 = time.perf_counter()
-        try:
-            pipe = client.pipeline()
-            for k in keys:
-                pipe.get(k)
-            results = pipe.execute(raise_on_error=False)
-        except Exception as exc:
-            self._failed(exc, whole=True)
-            return out
+        results = self._by_node(client, [("get", k) for k in keys])
         ok = False
         for i, r in enumerate(results[:len(keys)]):
             if isinstance(r, BaseException):

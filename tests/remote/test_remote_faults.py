@@ -114,6 +114,8 @@ def test_a_killed_master_is_a_miss_for_its_keys_and_is_used_again_when_back(
         after += sum(a.metric(f'blockd_remote_errors_total{{kind="{k}"}}')
                      for k in ("connection", "cluster_down", "timeout"))
         assert after > errors
+        # The other masters still answer: the tier is not down, their keys still serve.
+        assert b.metric("blockd_remote_up") == 1 and a.metric("blockd_remote_up") == 1
     finally:
         cluster.revive(victim)  # an empty master (no persistence) with its slots
     assert wait_metric(b, "blockd_remote_up", 1) == 1
