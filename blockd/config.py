@@ -27,6 +27,7 @@ from blockd.core.spec import PoolSpec
 from blockd.handles_config import HandlesConfig
 from blockd.options import Setting, option
 from blockd.paths import default_handle_socket, default_unix_socket, runtime_dir  # noqa: F401 (re-exported)
+from blockd.runtime.budgets import PARSE_BYTES_PER_UNIT
 from blockd.tiers_config import TiersConfig
 
 ENV_PREFIX = "BLOCKD_"
@@ -96,8 +97,10 @@ class ServerConfig:
             "blockd-pool.sock.")
     grace_seconds: float = option(
         5.0, "Seconds attached workers get to finish after SIGTERM before the server stops.")
-    max_message_bytes: int = option(16 * 1024 * 1024,
-                                    "Largest gRPC request or response message, bytes.")
+    max_message_bytes: int = option(
+        0, "Largest gRPC request or response message, bytes. 0: the largest request "
+           "max_work_per_call admits (32 bytes per work unit: 4 MiB at its default); a larger "
+           "one is refused by gRPC, one between is charged to its sender and refused.")
     max_operations_per_step: int = option(4096, "Most operations in one Step.")
     max_tokens_per_operation: int = option(
         1 << 20, "Most token ids in one operation (an admitted prompt or an append).")
@@ -132,6 +135,9 @@ class ServerConfig:
         if not self.grace_seconds >= 0:
             raise InvalidArgument(f"server.grace_seconds: must not be negative, got "
                                   f"{self.grace_seconds}", field="server.grace_seconds")
+        if self.max_message_bytes == 0:  # every byte gRPC admits is one the bound admits
+            object.__setattr__(self, "max_message_bytes",
+                               PARSE_BYTES_PER_UNIT * self.max_work_per_call)
         _check_positive(self, "server", "max_message_bytes", "max_operations_per_step",
                         "max_tokens_per_operation", "max_sessions", "max_work_per_call",
                         "max_queued_calls_per_tenant",

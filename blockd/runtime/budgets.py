@@ -56,6 +56,24 @@ class OverBudget(ResourceExhausted):
         tenant_id, cost, rate, burst, need = self._args
         return OverBudget(tenant_id, cost, rate, burst, max(0, self.retry_after_ms - ms), need)
 
+class OverBound(ResourceExhausted):
+    """A Step or Lookup whose bytes alone cost more than ``server.max_work_per_call``:
+    refused unread, its bytes charged to the budget of its sender (``key``) first, and held
+    like a refusal for rate (``blockd.runtime.refusal_holds``), the whole hold: resending it
+    cannot succeed, so a client that does gets one refusal per hold, each paid for."""
+
+    def __init__(self, key: str, refusal: ResourceExhausted) -> None:
+        super().__init__(f"{refusal.message}; its bytes were charged to the work budget of "
+                         f"{key!r}", reason=refusal.reason, field=refusal.field)
+        self.tenant_id = key
+        #: No hint to follow: held the longest (``tenants.rate_refusal_hold_ms``).
+        self.retry_after_ms = 1 << 30
+
+    def waited(self, ms: int) -> OverBound:
+        """The same refusal, answered after the hold."""
+        return self
+
+
 #: A request's bytes are work too: the server parses a Step or Lookup in its tenant's turn and
 #: first charges ``parse_units`` of its size (about 3 ns of protobuf parsing per byte, a unit
 #: being ~0.1 us: one unit per 32 bytes), so a tenant over its budget is refused before its

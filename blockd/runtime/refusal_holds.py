@@ -13,7 +13,9 @@ A hold takes nothing but a timer: the call has left its turn (the gate serves ot
 its request was refused unread where it could be (``budgets.reading_need``). At most
 ``per_key`` refusals of one budget key wait at once; beyond, they are answered at once, so
 holds never grow with a tenant's concurrency (memory: at most ``per_key`` held requests per
-key, each within ``server.max_message_bytes``). asyncio only: no grpc here.
+key, each within ``server.max_message_bytes``). A request whose bytes alone are over
+``server.max_work_per_call`` is refused unread too, its bytes charged to its sender's budget
+first, and its refusal held the same way (``budgets.OverBound``). asyncio only: no grpc here.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import asyncio
 import time
 from collections import Counter
 
-from blockd.runtime.budgets import OverBudget
+from blockd.runtime.budgets import OverBound, OverBudget
+
+#: What is held: a refusal for rate, or of a request whose bytes are over the per-call bound
+#: (``budgets.OverBound``: charged, then held the longest, since resending it cannot succeed).
+Held = OverBudget | OverBound
 
 #: The longest a refusal is held by default, milliseconds (``tenants.rate_refusal_hold_ms``).
 MAX_HOLD_MS = 250
@@ -41,7 +47,7 @@ class RefusalHolds:
         #: Refusals waiting now, by budget key.
         self.waiting: Counter[str] = Counter()
 
-    async def hold(self, refusal: OverBudget) -> OverBudget:
+    async def hold(self, refusal: Held) -> Held:
         """Wait out ``refusal``'s hint (at most ``max_ms``) unless ``per_key`` refusals of its
         key already wait; the refusal to answer, its hint less the time waited."""
         key = refusal.tenant_id

@@ -41,7 +41,7 @@ from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
 from blockd.core.errors import BlockdError, InvalidArgument, ResourceExhausted
 from blockd.runtime import listing, packed, step
-from blockd.runtime.budgets import OverBudget, parse_units, reading_need, scan_units
+from blockd.runtime.budgets import OverBound, OverBudget, parse_units, reading_need, scan_units
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.fair_gate import FairGate
 from blockd.runtime.packed import PackedIds
@@ -83,9 +83,12 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         self.holds = holds or RefusalHolds()
 
     async def _held(self, exc: Exception) -> Exception:
-        """A refusal for rate once its hint passed (``blockd.runtime.refusal_holds``): a
-        client that ignores the hint cannot make refusals a flood; anything else at once."""
-        return await self.holds.hold(exc) if isinstance(exc, OverBudget) else exc
+        """A refusal for rate once its hint passed, one of a request over the per-call bound
+        after the whole hold (``blockd.runtime.refusal_holds``): a client that ignores them
+        cannot make refusals a flood; anything else at once."""
+        if isinstance(exc, (OverBudget, OverBound)):
+            return await self.holds.hold(exc)
+        return exc
 
     def _caller(self, context: Any) -> Principal:
         return self.d.sessions.authenticate(context.invocation_metadata())
@@ -152,15 +155,25 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         one large request together (``FairGate.turn``). The body runs in the last turn.
 
         Bytes whose reading alone costs more than ``server.max_work_per_call`` are refused
-        first (RESOURCE_EXHAUSTED ``work``, field ``request``), outside any turn: it is
-        O(1)."""
+        first (RESOURCE_EXHAUSTED ``work``, field ``request``), outside any turn, in O(1),
+        once their units are charged to the same budget (``budgets.OverBound``: held like a
+        refusal for rate; over the budget, refused for rate)."""
         units = parse_units(len(raw)) if units is None else units
-        step.check_work(self.d.limits, units, f"request of {len(raw)} bytes", "request")
-        if need is None:
-            need = reading_need(units, len(raw), self.d.limits.max_work_per_call)
         sid = step.leading_session_id(raw)
         key = self.d.gate_key(p, session_id=sid)
         self._check_queue(key)
+        if units > self.d.limits.max_work_per_call:
+            # Received in full all the same: paid for (refused for rate if the bucket cannot
+            # pay), then refused unread and held (``_held``), so a flood of them is no cheaper
+            # than the budget allows.
+            self.d.charge_bytes(p, key, sid, units)
+            try:
+                step.check_work(self.d.limits, units, f"request of {len(raw)} bytes",
+                                "request")
+            except ResourceExhausted as exc:
+                raise OverBound(key, exc) from None
+        if need is None:
+            need = reading_need(units, len(raw), self.d.limits.max_work_per_call)
         async with self.gate.turn(key, units) as spend:
             self.d.charge_bytes(p, key, sid, units, need)
             request = parse(raw)
