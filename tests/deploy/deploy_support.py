@@ -25,14 +25,18 @@ ROOT = HERE.parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 #: Every kustomization that must render: the base and the overlays (vllm: the GPU overlay with
-#: the worker running `vllm serve` and the BlockdConnector).
+#: the worker running `vllm serve` and the BlockdConnector; remote: the CPU overlay with the
+#: remote tier on an existing Redis Cluster).
 KUSTOMIZATIONS = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu",
-                  "gpu": K8S / "overlays" / "gpu", "vllm": K8S / "overlays" / "vllm"}
-OVERLAYS = ("cpu", "gpu", "vllm")
+                  "gpu": K8S / "overlays" / "gpu", "vllm": K8S / "overlays" / "vllm",
+                  "remote": K8S / "overlays" / "remote"}
+OVERLAYS = ("cpu", "gpu", "vllm", "remote")
 #: The pool backend each kustomization's blockd config must use.
-POOL_BACKEND = {"base": "host", "cpu": "host", "gpu": "cuda", "vllm": "cuda"}
+POOL_BACKEND = {"base": "host", "cpu": "host", "gpu": "cuda", "vllm": "cuda", "remote": "host"}
 #: Kustomizations whose worker container is `vllm serve` (tests/deploy/test_vllm_overlay.py).
 VLLM = ("vllm",)
+#: Kustomizations with the remote tier (tiers.redis_nodes; tests/deploy/test_remote_overlay.py).
+REMOTE = ("remote",)
 
 
 def in_ci() -> bool:

@@ -27,6 +27,7 @@ from deploy_support import (
     KUSTOMIZATIONS,
     OVERLAYS,
     POOL_BACKEND,
+    REMOTE,
     ROOT,
     VLLM,
     by_kind,
@@ -361,6 +362,12 @@ def test_shm_and_memory_are_sized_for_the_pool(rendered: dict[str, Docs], name: 
     spec = pod_spec(rendered[name])
     _, cfg = blockd_yaml(rendered[name], tmp_path)
     pool_bytes = cfg.pool.spec().pool_bytes * cfg.pool.tp_size
+    # The host tier is reserved at start (a file in state.dir with crash recovery, else a
+    # memfd): in blockd's memory cgroup either way. The remote tier queues up to
+    # remote_queue_blocks values of one block each for the cluster, in blockd's own memory.
+    tier_bytes = cfg.tiers.host_bytes
+    queue_bytes = (cfg.tiers.remote_queue_blocks * cfg.pool.spec().slot_bytes
+                   if cfg.tiers.redis_nodes else 0)
     volumes = {v["name"]: v for v in spec["volumes"]}
     shm = volumes["dshm"]["emptyDir"]
     assert shm["medium"] == "Memory"
@@ -373,16 +380,16 @@ def test_shm_and_memory_are_sized_for_the_pool(rendered: dict[str, Docs], name: 
         # restart of the blockd container), charged to blockd's memory cgroup.
         state = volumes["blockd-state"]["emptyDir"]
         assert state["medium"] == "Memory"
-        assert quantity(state["sizeLimit"]) >= pool_bytes + 64 * MI
+        assert quantity(state["sizeLimit"]) >= pool_bytes + tier_bytes + 64 * MI
         mount = mounts(blockd)["blockd-state"]
         assert cfg.state.dir.startswith(mount + "/") and cfg.state.dir != mount
         assert "blockd-state" not in mounts(container(spec, "worker", init=False))
-        assert limit >= pool_bytes + 256 * MI
+        assert limit >= pool_bytes + tier_bytes + queue_bytes + 256 * MI
         assert quantity(shm["sizeLimit"]) >= 64 * MI
     else:
         assert cfg.state.dir == ""
         assert quantity(shm["sizeLimit"]) >= 64 * MI
-        assert limit >= 512 * MI
+        assert limit >= tier_bytes + queue_bytes + 512 * MI
 
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
@@ -676,6 +683,19 @@ def check_network_policy(np: dict[str, Any], docs: Docs, cfg: blockd_config.Conf
     return table
 
 
+#: The base's ingress policy; the remote overlay adds an egress-only one
+#: (tests/deploy/test_remote_overlay.py checks it).
+INGRESS_POLICY, EGRESS_POLICY = "blockd-inference", "blockd-inference-remote-egress"
+
+
+def ingress_policy(docs: Docs) -> dict[str, Any]:
+    """The ingress NetworkPolicy; asserts the only other one is the remote tier's egress."""
+    policies = {d["metadata"]["name"]: d for d in by_kind(docs, "NetworkPolicy")}
+    assert INGRESS_POLICY in policies, sorted(policies)
+    assert set(policies) - {INGRESS_POLICY} <= {EGRESS_POLICY}, sorted(policies)
+    return policies[INGRESS_POLICY]
+
+
 def engine_port(worker: dict[str, Any]) -> int | None:
     """The port ``vllm serve`` listens on (its --port argument), None for other workers."""
     if worker.get("command", [])[:2] != ["vllm", "serve"]:
@@ -693,7 +713,10 @@ API_CLIENT = (("blockd.dev/openai-api", "client"),)
 def test_network_policy_admits_only_prometheus_and_kv_event_subscribers(
         rendered: dict[str, Docs], name: str, tmp_path: Path) -> None:
     _, cfg = blockd_yaml(rendered[name], tmp_path)
-    table = check_network_policy(one(rendered[name], "NetworkPolicy"), rendered[name], cfg)
+    table = check_network_policy(ingress_policy(rendered[name]), rendered[name], cfg)
+    egress = {d["metadata"]["name"] for d in by_kind(rendered[name], "NetworkPolicy")} - {
+        INGRESS_POLICY}
+    assert egress == ({EGRESS_POLICY} if name in REMOTE else set()), egress
     grpc_port = int(cfg.server.tcp_address.rpartition(":")[2])
     served = engine_port(container(pod_spec(rendered[name]), "worker", init=False))
     assert (served is not None) == (name in VLLM)
@@ -711,7 +734,7 @@ def test_network_policy_admits_only_prometheus_and_kv_event_subscribers(
 def test_network_policy_checks_catch_mistakes(rendered: dict[str, Docs], tmp_path: Path) -> None:
     docs = rendered["cpu"]
     _, cfg = blockd_yaml(docs, tmp_path)
-    original = one(docs, "NetworkPolicy")
+    original = ingress_policy(docs)
 
     def mutated(change: Any) -> dict[str, Any]:
         np: dict[str, Any] = yaml.safe_load(yaml.safe_dump(original))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from deploy_support import OVERLAYS, POOL_BACKEND
+from deploy_support import OVERLAYS, POOL_BACKEND, REMOTE
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_k8s import Docs, boot
 
@@ -217,7 +217,9 @@ def test_the_image_refuses_plaintext_off_loopback(tmp_path: Path) -> None:
     assert out.returncode == 2 and "server.tcp_address" in out.stderr, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("name", OVERLAYS)
+#: The remote overlay's ConfigMap needs a Redis Cluster and the Secret's files:
+#: tests/deploy/test_remote_overlay.py starts it against a real one.
+@pytest.mark.parametrize("name", [n for n in OVERLAYS if n not in REMOTE])
 def test_each_overlay_configmap_starts_as_the_pod_starts_it_and_answers_health(
         rendered: dict[str, Docs], name: str, tmp_path: Path) -> None:
     """The overlay's ConfigMap and Secret as mounted, TLS from a certificate this test makes
