@@ -34,7 +34,7 @@ from blockd.core.tenants import SHARED_PARTITION, partition_layout
 from blockd.core.tiering import TierLimits
 from blockd.pools.base import Pool
 from blockd.runtime import convert, fds, stats, step, tenants_file
-from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key
+from blockd.runtime.budgets import OverBudget, WorkBudgets, charge_key, journal_units
 from blockd.runtime.events import EventLog
 from blockd.runtime.journal_records import FlushRecord, TenantsRecord
 from blockd.runtime.listing import SequenceIndex
@@ -171,9 +171,10 @@ class Daemon:
         if self.recovery.enabled:
             self.ids.record()
             self._snapshot()
+            self.recovery.check_room()  # too small a state.dir is refused, in one line
         if self.remote is not None:
             self.remote.start(asyncio.get_running_loop(), self.storage, self.recovery,
-                              self._after_adopt)
+                              self._after_adopt, self.events.on_core_event)
         self.index.rebuild()
         if m.tenant_policies() != {p.tenant_id: p for p in self.tenants.tenants} \
                 or self.sessions.revocations(self.tenants):
@@ -333,8 +334,10 @@ class Daemon:
                                limits=self.limits, errors=self.op_errors, remote=self.remote)
         self.index.stepped(info.tenant_id, resp)
         partition = self.partitions.partition_of_session(info.id)
-        recovery.record_step(info.id, req, resp, self.ids.take_minted(),
-                             self.storage.take_io_failures(partition))
+        written = recovery.record_step(info.id, req, resp, self.ids.take_minted(),
+                                       self.storage.take_io_failures(partition),
+                                       tenant_id=info.tenant_id)
+        self.budgets.debit(info.tenant_id, journal_units(written))  # its writer pays for it
         if resp.scrubbed_blocks:  # ids of the session's partition, zeroed in its pool
             self.pools[partition].zero_blocks(list(resp.scrubbed_blocks))
         self._journalled()

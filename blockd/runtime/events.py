@@ -54,7 +54,9 @@ PRIVATE = "private:"
 #: vLLM's medium names of the lower tiers (``vllm.distributed.kv_events``: ``MEDIUM_CPU``,
 #: ``MEDIUM_STORAGE``, what its offloading connector publishes); the pool's is its backend's
 #: (``GPU`` for cuda, ``CPU`` for host memory).
-TIER_MEDIA = {"host": "CPU", "disk": "STORAGE"}
+#: The remote tier (``blockd.runtime.remote``) has a medium of its own, ``REMOTE``: a block the
+#: shared cluster holds, which this node can fetch (docs/tiers.md, "Many nodes").
+TIER_MEDIA = {"host": "CPU", "disk": "STORAGE", "remote": "REMOTE"}
 
 
 def medium_of(tier: str, pool_medium: str) -> str:

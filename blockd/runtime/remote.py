@@ -26,6 +26,7 @@ Step nor serves a byte that did not pass its check.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -61,6 +62,10 @@ if TYPE_CHECKING:  # the daemon's, handed to ``start`` (recovery imports the Ste
     from blockd.runtime.storage import Storage
 
 log = logging.getLogger("blockd.remote")
+
+#: The tier name of the events of blocks the cluster holds (``blockd.runtime.events`` gives
+#: them the medium ``REMOTE``).
+REMOTE = "remote"
 
 #: Remote keys of chains (by partition and local key) remembered to publish children.
 MAX_CHAINS = 1 << 18
@@ -180,12 +185,17 @@ class RemoteTier:
         self._storage: Storage | None = None
         self._recovery: Recovery | None = None
         self._after: Callable[[], None] = lambda: None
+        self._announce: Callable[[BlockStored], None] | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop, storage: Storage, recovery: Recovery,
-              after: Callable[[], None]) -> None:
+              after: Callable[[], None], announce: Callable[[BlockStored], None]) -> None:
         """Connect (a degraded start if the cluster is not reachable: logged, exported,
         retried) and listen to the core. Fetched blocks are written through ``storage``,
-        journalled by ``recovery``, then ``after()`` (the daemon's compaction and checks)."""
+        journalled by ``recovery``, then ``after()`` (the daemon's compaction and checks);
+        a block the cluster accepted is announced (``announce``: the event log's sink) as a
+        ``BlockStored`` of the ``remote`` tier."""
+        self._announce = announce
+        self.client.on_written = self._written
         self._loop = loop
         self._storage = storage
         self._recovery = recovery
@@ -309,6 +319,19 @@ class RemoteTier:
         self._after()
         return n
 
+    def _written(self, tags: list[object]) -> None:
+        """On the publisher thread: the cluster holds these blocks now; announce them."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._announce_all, tags)
+
+    def _announce_all(self, tags: list[object]) -> None:
+        if self._announce is None:
+            return
+        for ev in tags:
+            if isinstance(ev, BlockStored):
+                self._announce(ev)
+
     # -- publishing -----------------------------------------------------------------------------
 
     def on_event(self, partition: str, ev: CoreEvent) -> None:
@@ -342,7 +365,9 @@ class RemoteTier:
             self.stats.not_published["copy"] += 1
             return
         expected = Expected(key, parent, self.keys.token_digest(ev.token_bytes))
-        if self.client.publish(redis_key(key), pack_value(self.layout, expected, buf)):
+        announced = dataclasses.replace(ev, tier=REMOTE, root_key=b"")
+        if self.client.publish(redis_key(key), pack_value(self.layout, expected, buf),
+                               announced):
             self.stats.published_blocks += 1
             _bounded_put(self._present, key, b"", MAX_PRESENT)
         else:

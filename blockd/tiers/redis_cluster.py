@@ -115,8 +115,10 @@ class RedisRemote:
         self._failures = 0
         self._next_try = 0.0
         self._next_refresh = 0.0
-        self._values: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(
+        self._values: queue.Queue[tuple[bytes, bytes, object] | None] = queue.Queue(
             settings.queue_values)
+        #: Called on the publisher thread with the tags of the values the cluster accepted.
+        self.on_written: Callable[[list[object]], None] | None = None
         self._fetches: queue.Queue[FetchJob | None] = queue.Queue(settings.queue_fetches)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._publisher, name="blockd-remote-pub",
@@ -137,12 +139,15 @@ class RedisRemote:
     def up(self) -> bool:
         return self.counters.up
 
-    def publish(self, key: bytes, value: bytes) -> bool:
+    def publish(self, key: bytes, value: bytes, tag: object = None) -> bool:
+        """Queue ``value`` to write under ``key``; ``tag`` comes back through ``on_written``
+        once the cluster accepted it. False (dropped, counted) if the queue is full or the
+        cluster down."""
         if not self.counters.up:
             self.counters.dropped["down"] += 1
             return False
         try:
-            self._values.put_nowait((key, value))
+            self._values.put_nowait((key, value, tag))
         except queue.Full:
             self.counters.dropped["publish_queue"] += 1
             return False
@@ -325,26 +330,31 @@ class RedisRemote:
         with contextlib.suppress(Exception):  # the map stays as it was
             client.nodes_manager.initialize()
 
-    def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
+    def _write(self, batch: list[tuple[bytes, bytes, object]]) -> None:
         client = self._connect()
         if client is None:
             self.counters.dropped["down"] += len(batch)
             return
         t0 = time.perf_counter()
         ttl = self.settings.ttl_s or None
-        commands = [("set", k, v, ttl) for k, v in batch]
+        commands = [("set", k, v, ttl) for k, v, _ in batch]
         results = self._by_node(client, commands)
-        ok = 0
-        for (_, v), r in zip(batch, results, strict=True):
+        written = []
+        for (_, v, tag), r in zip(batch, results, strict=True):
             if isinstance(r, BaseException):
                 self._failed(r)
             else:
-                ok += 1
+                written.append(tag)
                 self.counters.bytes_written += len(v)
-        if ok:
+        if written:
             self._failures = 0
-        self.counters.values_written += ok
+        self.counters.values_written += len(written)
         self._timed("set", t0)
+        if written and self.on_written is not None:
+            try:
+                self.on_written(written)
+            except Exception:  # the runtime's callback only schedules work on its loop
+                log.exception("remote tier: announcing written values failed")
 
     def _fetcher(self) -> None:
         while not self._stop.is_set():

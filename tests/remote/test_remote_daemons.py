@@ -149,3 +149,30 @@ def test_fetched_blocks_survive_kill_9_of_node_b_on_its_state_dir(
         assert b.metric("blockd_remote_miss_blocks_total") == misses  # not fetched again
     finally:
         b.stop()
+
+
+def test_blocks_the_cluster_holds_are_announced_with_the_remote_medium(
+        tmp_path: Path, cluster: RedisCluster) -> None:
+    """Node A's KV events: the committed blocks on the pool's medium (``CPU`` here), then, once
+    the cluster accepted them, the same keys and token ids on ``REMOTE``."""
+    from daemon_proc import pb
+
+    tokens = list(range(9000, 9014))
+    with node(tmp_path, "a", cluster) as a:
+        run_worker(a, "write", "carol", "initech", tokens)  # a group tenant: token ids shown
+        assert wait_metric(a, "blockd_remote_written_values_total", 3) >= 3
+        admin = a.stub("unix")
+        calls = admin.WatchEvents(pb.WatchEventsRequest(since_sequence=1),
+                                  metadata=(("authorization", "Bearer tok-admin"),), timeout=10)
+        stored = []
+        for ev in calls:
+            if ev.WhichOneof("event") == "block_stored":
+                stored.append((ev.block_stored.medium, bytes(ev.block_stored.block_hashes[0]),
+                               list(ev.block_stored.token_ids)))
+            if sum(m == "REMOTE" for m, _, _ in stored) >= 3:
+                break
+        calls.cancel()
+        pool = [(k, t) for m, k, t in stored if m == "CPU"]
+        remote = [(k, t) for m, k, t in stored if m == "REMOTE"]
+        assert sorted(remote) == sorted(pool[:3])  # the same keys and tokens, on REMOTE
+        assert remote[0][1] == tokens[:4]
