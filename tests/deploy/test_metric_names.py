@@ -4,6 +4,7 @@ a recording rule of deploy/prometheus/blockd-rules.yaml."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -75,11 +76,20 @@ def test_grafana_substitution_gives_plain_promql() -> None:
 
 @pytest.fixture(scope="module")
 def with_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon with KV events on: the dashboard's KV-event panels query its publisher metrics."""
+    """A daemon with KV events on (the dashboard's KV-event panels query its publisher metrics)
+    and a remote tier (the remote alerts query blockd_remote_*): its cluster is a closed port,
+    so it starts degraded, exporting the remote family with blockd_remote_up 0."""
     work = tmp_path_factory.mktemp("blockd-events")
+    (work / "cluster-secret").write_bytes(b"s" * 32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
     d = start(work, extra={"events": {"zmq_endpoint": "tcp://127.0.0.1:*",
                                       "topic": "kv@metrics-test@tiny"},
-                           "state": {"dir": str(work / "state")}})  # the durability gauges
+                           "state": {"dir": str(work / "state")},  # the durability gauges
+                           "tiers": {"host_bytes": 1 << 20,
+                                     "redis_nodes": f"127.0.0.1:{closed}",
+                                     "cluster_secret_file": str(work / "cluster-secret")}})
     yield d
     d.stop()
 
@@ -118,7 +128,9 @@ def test_every_queried_metric_is_exported_by_the_daemon(with_events: Daemon) -> 
                  "blockd:prefix_cache_hit_rate:ratio_rate5m", "blockd:tenant_quota_usage:ratio",
                  "blockd_kv_event_batches_published_total",
                  "blockd_kv_event_batches_dropped_total", "blockd_kv_event_subscribers",
-                 "process_cpu_seconds_total", "process_resident_memory_bytes"):
+                 "process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "blockd_remote_up", "blockd_remote_errors_total",
+                 "blockd_remote_dropped_total"):
         assert must in used, must
 
 

@@ -28,6 +28,10 @@ REQUIRED_ALERTS = {
     "BlockdInvariantViolated": ("blockd_invariant_violations_total",),
     "BlockdStateDirLow": ("blockd_state_dir_free_bytes", "blockd_state_dir_reserve_bytes"),
     "BlockdJournalUnwritable": ("blockd_journal_failed",),
+    # The remote tier (issue 26): down, failing commands, dropping what it cannot queue.
+    "BlockdRemoteTierDown": ("blockd_remote_up",),
+    "BlockdRemoteTierErrors": ("blockd_remote_errors_total", "blockd_remote_up"),
+    "BlockdRemoteTierDropping": ("blockd_remote_dropped_total",),
 }
 #: recording rule -> metrics it is computed from (hit rate and usage, the issue's list).
 REQUIRED_RECORDS = {
