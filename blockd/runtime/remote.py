@@ -271,7 +271,7 @@ class RemoteTier:
         bad = []
         length = self.slot_bytes[job.partition]
         for value, expected in zip(raw, job.expected, strict=True):
-            out = check_value(value, self.layout, expected, length)
+            out = check_value(self.keys, value, self.layout, expected, length)
             if isinstance(out, str):
                 if out == "bad_value":
                     bad.append(redis_key(expected.key))
@@ -366,7 +366,7 @@ class RemoteTier:
             return
         expected = Expected(key, parent, self.keys.token_digest(ev.token_bytes))
         announced = dataclasses.replace(ev, tier=REMOTE, root_key=b"")
-        if self.client.publish(redis_key(key), pack_value(self.layout, expected, buf),
+        if self.client.publish(redis_key(key), pack_value(self.keys, self.layout, expected, buf),
                                announced):
             self.stats.published_blocks += 1
             _bounded_put(self._present, key, b"", MAX_PRESENT)
