@@ -107,6 +107,17 @@ def reading_need(units: int, id_bytes: int, most: int) -> int:
     return units + min(id_bytes, most)
 
 
+#: A Step's journal record is work too, charged after it is written (``WorkBudgets.debit``):
+#: its write, and its share of the compactions it brings on (a snapshot rewrites the whole
+#: state each time the journal has grown by about a snapshot's size): one unit per 8 bytes.
+JOURNAL_BYTES_PER_UNIT = 8
+
+
+def journal_units(nbytes: int) -> int:
+    """The work units of ``nbytes`` journalled."""
+    return nbytes // JOURNAL_BYTES_PER_UNIT
+
+
 @dataclass(slots=True)
 class _Bucket:
     level: float
@@ -169,6 +180,17 @@ class WorkBudgets:
             wait_ms = max(1, int((required - b.level) / rate * 1000) + 1)
             raise OverBudget(tenant_id, units, rate, burst, wait_ms, need)
         b.level -= cost
+
+    def debit(self, tenant_id: str, units: int) -> None:
+        """Take ``units`` for work already done (``journal_units``): never refused; the
+        bucket may go into debt, at most its burst, which the tenant's next calls wait out."""
+        rate, burst = self.limits(tenant_id) if self._overrides else (self.rate, self.burst)
+        if rate <= 0 or units <= 0:
+            return
+        now = self._clock()
+        b = self._buckets.setdefault(tenant_id, _Bucket(burst, now))
+        b.level = max(-burst, min(burst, b.level + (now - b.at) * rate) - units)
+        b.at = now
 
     def forget(self, keep: set[str]) -> None:
         """Drop the buckets of tenants no longer configured (a tenants reload); credentials'

@@ -85,6 +85,16 @@ class TierIOReplay(Protocol):
 SNAPSHOT_VERSION = 5
 
 
+#: The least journal room kept above the reserve (``Recovery.margin``): free space within
+#: this of the reserve starts a compaction, and a state directory without it is refused.
+MIN_MARGIN = 1 << 16
+
+
+class StateDirTooSmall(FailedPrecondition):
+    """``state.dir`` cannot hold the pool, a snapshot, the reserve and journal room: every
+    Step would be refused "state dir full" (``Recovery.check_room``)."""
+
+
 class JournalCorrupt(FailedPrecondition):
     """A journal record changed after it was written: what follows it is lost."""
 
@@ -126,6 +136,9 @@ class Recovery:
         self.snapshots = 0
         self.last_snapshot_seconds = 0.0
         self._snapshot_bytes = 0
+        #: Bytes of Step records journalled, by the tenant whose Step wrote them (a metric;
+        #: the daemon charges them to its work budget too).
+        self.tenant_journal_bytes: Counter[str] = Counter()
 
     @property
     def enabled(self) -> bool:
@@ -214,6 +227,32 @@ class Recovery:
         """Free bytes new work may not use: ``state.reserve_bytes`` plus room for a snapshot."""
         return self.reserve_bytes + self._snapshot_bytes
 
+    @property
+    def margin(self) -> int:
+        """Journal room kept above the reserve: a compaction starts when less is free
+        (``due``), so one tenant's journal cannot bring every tenant to "state dir full". A
+        snapshot's size (at least ``MIN_MARGIN``): compactions then cost O(1) per byte."""
+        return max(self._snapshot_bytes, MIN_MARGIN)
+
+    def check_room(self) -> None:
+        """At start, after the first snapshot: refuse a state directory that cannot hold what
+        its files may still take (the pool's and fence pages' pages not yet touched, on a
+        tmpfs), the reserve (``state.reserve_bytes`` plus a snapshot) and ``margin`` of
+        journal; it would refuse every Step "state dir full" once the journal or the pool
+        grew."""
+        free = self.free_bytes()
+        if free is None or self.store is None:
+            return
+        unwritten = _unwritten_bytes(self.store.dir)
+        need = self.reserve + self.margin + unwritten
+        if free < need:
+            raise StateDirTooSmall(
+                f"state.dir: {self.store.dir} has {free} bytes free, it needs {need}: "
+                f"state.reserve_bytes ({self.reserve_bytes}) + a snapshot "
+                f"({self._snapshot_bytes}) + journal room ({self.margin}) + what the pool "
+                f"files may still take ({unwritten}); give it more room or lower "
+                "state.reserve_bytes", field="state.dir")
+
     def require_space(self, record_bytes: int) -> None:
         """Before new work is applied: refuse it while its record would eat into the reserve,
         and refuse everything once a journal write has failed."""
@@ -258,20 +297,38 @@ class Recovery:
                               "must be restarted") from None
 
     def record_step(self, session_id: str, req: pb.StepRequest, resp: pb.StepResponse,
-                    minted: list[str], io_failures: tuple[int, ...] = ()) -> None:
+                    minted: list[str], io_failures: tuple[int, ...] = (), *,
+                    tenant_id: str = "") -> int:
         """Journal what a Step applied (``step.journal_record``), with the numbers of its tier
-        copies that failed."""
-        if self.journal is not None:
-            raw, failed = step.journal_record(req, resp)
-            self.record(StepRecord(session_id, raw, tuple(minted), tuple(sorted(failed.items())),
-                                   io_failures))
+        copies that failed; the bytes written (0 without a journal), counted for
+        ``tenant_id``."""
+        journal = self.journal
+        if journal is None:
+            return 0
+        raw, failed = step.journal_record(req, resp)
+        before = journal.size
+        self.record(StepRecord(session_id, raw, tuple(minted), tuple(sorted(failed.items())),
+                               io_failures))
+        written = journal.size - before
+        self.tenant_journal_bytes[tenant_id] += written
+        return written
 
     @property
     def due(self) -> bool:
-        """The journal has grown enough that a snapshot (a compaction) is worth its cost."""
+        """The journal has grown enough that a snapshot (a compaction) is worth its cost, or
+        free space is within ``margin`` of the reserve and the journal holds half of it (so
+        a compaction gives back at least that: O(1) per journalled byte still). Before the
+        second rule one tenant's admit+release cycles grew the journal until every tenant's
+        Step was refused "state dir full", ``snapshot_min_bytes`` never reached."""
         journal = self.journal
-        return journal is not None and journal.size >= max(self.snapshot_min_bytes,
-                                                           2 * self._snapshot_bytes)
+        if journal is None:
+            return False
+        if journal.size >= max(self.snapshot_min_bytes, 2 * self._snapshot_bytes):
+            return True
+        if journal.size < self.margin // 2:
+            return False
+        free = self.free_bytes()
+        return free is not None and free < self.reserve + self.margin
 
     def snapshot(self, parts: PartitionCoordinator, sessions: Sessions, spec: PoolSpec, epoch: int
                  ) -> None:
@@ -314,6 +371,18 @@ class Recovery:
             self.journal = None
         if self.store is not None:
             self.store.close()
+
+
+def _unwritten_bytes(directory: os.PathLike[str] | str) -> int:
+    """Bytes the files in ``directory`` may still take: their sizes less what is allocated
+    (a pool file or fence page on a tmpfs takes its pages as they are touched)."""
+    total = 0
+    with os.scandir(directory) as entries:
+        for e in entries:
+            if e.is_file(follow_symlinks=False):
+                st = e.stat(follow_symlinks=False)
+                total += max(0, st.st_size - st.st_blocks * 512)
+    return total
 
 
 def _tiers(tiers: dict[str, TierLimits]) -> dict[str, dict[str, int]]:

@@ -8,7 +8,7 @@ import logging
 from blockd import logs
 from blockd.config import Config
 from blockd.runtime.daemon import Daemon
-from blockd.runtime.recovery import JournalCorrupt
+from blockd.runtime.recovery import JournalCorrupt, StateDirTooSmall
 
 log = logging.getLogger("blockd.daemon")
 
@@ -27,7 +27,7 @@ def start(cfg: Config) -> Daemon:
     try:
         daemon.recover()
         return daemon
-    except OSError:
+    except (OSError, StateDirTooSmall):  # the state stays for a start with room
         daemon.close()
         raise
     except JournalCorrupt as exc:

@@ -344,6 +344,12 @@ def _durability(r: Recovery) -> Iterator[Metric]:
     yield CounterMetricFamily("blockd_state_dir_refusals",
                               "Steps and attaches refused with RESOURCE_EXHAUSTED \"state dir "
                               "full\".", value=r.space_refusals)
+    journal_t = CounterMetricFamily("blockd_tenant_journal_bytes",
+                                    "Bytes of Step records a tenant's Steps journalled (charged "
+                                    "to its work budget).", labels=["tenant"])
+    for tenant_id, n in sorted(r.tenant_journal_bytes.items()):
+        journal_t.add_metric([tenant_id], n)
+    yield journal_t
     yield GaugeMetricFamily("blockd_journal_failed",
                             "1 once a journal write failed: every call is refused until the "
                             "daemon is restarted.", value=int(r.failed is not None))
