@@ -65,7 +65,7 @@ def ended_by_itself(engine: Engine) -> str:
     left = alive_in_group(engine.proc.pid)
     engine.kill()
     log = engine.log()
-    assert code != 0 and not engine._up, log[-4000:]
+    assert code != 0, log[-4000:]  # (a started engine waits for requests: it never ends)
     assert not left, f"processes of the failed engine still running: {left}\n{log[-3000:]}"
     return log
 

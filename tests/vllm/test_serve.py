@@ -37,10 +37,12 @@ REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "vllm.md"
 MARK = "<!-- quickstart-cpu"
 #: Added to the doc's server command: a small KV cache and context for 2 cores, no compilation
-#: (start-up), and vLLM's own prefix cache off, so the second request's hit can only come from
-#: blockd.
+#: (start-up), vLLM's own prefix cache off, so the second request's hit can only come from
+#: blockd, and a small memory share (vLLM's CPU worker refuses to start unless that share of
+#: the node's memory is free, 0.92 by default; other tests and engines share this machine).
 SERVE_FLAGS = ["--max-model-len", "512", "--enforce-eager", "--no-enable-prefix-caching",
-               "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "512"]
+               "--kv-cache-memory-bytes", str(64 << 20), "--max-num-batched-tokens", "512",
+               "--gpu-memory-utilization", "0.2"]
 
 
 def quickstart() -> tuple[str, str]:
@@ -165,7 +167,8 @@ def test_the_layout_is_the_one_vllm_chose(served: Served) -> None:
     """The tiny Llama is saved in float32; vLLM runs it as bfloat16 on CPU (``--dtype auto``),
     and the printed pool says so. The server started, so blockd accepted the engine's layout."""
     assert served.pool == {"pool": {"block_size": 32, "num_layers": 2, "num_kv_heads": 2,
-                                    "head_dim": 32, "dtype": "bfloat16", "tp_size": 1}}
+                                    "head_dim": 32, "dtype": "bfloat16", "tp_size": 1,
+                                    "num_blocks": 256}}
     assert json.loads((served.model / "config.json").read_text())["dtype"] == "float32"
     assert re.search(r'msg="session attached" tenant=default worker=vllm ', served.daemon_log())
 
@@ -191,6 +194,26 @@ def test_a_second_request_with_the_same_prefix_gets_its_blocks_from_blockd(
     again = served.complete(first)
     assert again["choices"][0]["text"] == cold["choices"][0]["text"]
     assert metric(served.metrics(), "vllm:external_prefix_cache_hits_total") >= hits + 96
+
+
+def test_another_tenant_than_default_ends_the_server_naming_the_key(served: Served) -> None:
+    """The doc's command with ``"tenant": "acme"`` (the old docs' example) against the plain
+    daemon: the server exits by itself, naming the key and the tenants it may act for."""
+    command = served.with_model(quickstart()[1]).rstrip().replace('"tenant": "default"',
+                                                                  '"tenant": "acme"')
+    assert '"tenant": "acme"' in command
+    proc = subprocess.Popen(["bash", "-ec", command + " " + " ".join(
+        ["--port", str(free_port()), *SERVE_FLAGS])], cwd=served.work, env=served.env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=START_TIMEOUT_S)  # the hang guard
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the refused server neither started nor ended:\n" + proc.communicate()[0])
+    assert proc.returncode != 0, out[-4000:]
+    errors = "\n".join(line for line in out.splitlines() if "Error" in line)
+    assert ("kv_connector_extra_config.tenant='acme' is not a tenant this credential may act "
+            "for") in out and "(it may act for ['default'])" in out, errors[-6000:]
 
 
 def test_stopping_the_server_detaches_its_session(served: Served) -> None:
