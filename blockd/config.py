@@ -23,7 +23,8 @@ from typing import Any
 from blockd import options, wire
 from blockd.core.errors import InvalidArgument
 from blockd.core.spec import PoolSpec
-from blockd.events_config import PLACEHOLDER, EventsConfig  # noqa: F401 (re-exported)
+from blockd.events_config import PLACEHOLDER as PLACEHOLDER
+from blockd.events_config import EventsConfig as EventsConfig
 from blockd.handles_config import HandlesConfig
 from blockd.options import Setting, option
 from blockd.paths import default_handle_socket, default_unix_socket, runtime_dir  # noqa: F401 (re-exported)

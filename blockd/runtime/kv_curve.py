@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from blockd.config import EventsConfig
+from blockd.events_config import EventsConfig
 from blockd.core.errors import FailedPrecondition
 
 Z85_KEY_CHARS = 40

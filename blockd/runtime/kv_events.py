@@ -39,7 +39,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from blockd import logs
-from blockd.config import EventsConfig
+from blockd.events_config import EventsConfig
 from blockd.core.errors import FailedPrecondition, InvalidArgument
 from blockd.runtime import kv_curve
 from blockd.runtime.events import CLEARED, REMOVED, STORED, Event, medium_of
