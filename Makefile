@@ -3,11 +3,19 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DAEMON := $(VENV)/.installed-daemon
 
 .PHONY: install serve test bench proto proto-check proto-lint lint fuzz clean
 
 # The venv is rebuilt when pyproject.toml changes. torch is pinned (==2.13.0) in the gpu extra:
 # an unpinned torch would pull a multi-GB CUDA build.
+# The daemon alone (`make serve`): blockd and its own dependencies, none of the extras.
+$(DAEMON): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(DAEMON)
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -16,12 +24,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@# SGLang's own RadixCache for bench/peers_replay.py and its test: the wheel, not installed.
 	PY=$(PY) bash bench/peers/fetch_sglang.sh
-	touch $(STAMP)
+	touch $(STAMP) $(DAEMON)
 
 install: $(STAMP)
 
-## Run the daemon on its embedded default (host shared-memory pool, no GPU).
-serve: $(STAMP)
+## Run the daemon on its embedded default (host shared-memory pool, no GPU); installs only
+## what the daemon needs (no torch, Triton, vLLM or SGLang).
+serve: $(DAEMON)
 	$(VENV)/bin/blockd serve
 
 ## The whole suite (derandomised property tests; the Triton kernels run in the interpreter).
@@ -39,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/tiers_replay.py --blockd-tiered
 	$(PY) bench/tier_copies.py
 	$(PY) bench/tier_admit.py
+	VLLM_CPU_NUM_OF_RESERVED_CPU=1 $(PY) bench/remote_tier.py
 	$(PY) bench/scaling.py
 	$(PY) bench/core_replay.py
 	$(PY) bench/seeds_numbers.py
