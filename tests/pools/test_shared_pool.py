@@ -122,7 +122,9 @@ def test_scrub_a_block_reused_across_tenants_reads_zero(daemon) -> None:  # type
 def test_killed_worker_is_reaped_and_the_other_goes_on(daemon) -> None:  # type: ignore[no-untyped-def]
     # Alice's sessions are not bob's to count (Stats per tenant): an admin observes.
     with client(daemon, "bob") as cb, client(daemon, "admin") as observer:
-        b = cb.attach("globex", LAYOUT)
+        # b's lease outlasts the worker's start (torch's import alone takes seconds on a busy
+        # machine): with the default 10 s it ran out under load before b's admit below.
+        b = cb.attach("globex", LAYOUT, lease_ms=300_000)
         before = observer.stats()
         args = {"target": f"unix:{daemon.endpoints['unix']}", "token": TOKENS["alice"],
                 "tenant": "acme", "layout": LAYOUT_ARGS, "tokens": list(range(500, 520)),
@@ -137,7 +139,7 @@ def test_killed_worker_is_reaped_and_the_other_goes_on(daemon) -> None:  # type:
         proc.wait()
         out = b.step([rq.admit([9, 9, 9], NS)])  # unaffected meanwhile
         assert out.results[0].status.code == 0
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # the reap takes ~0.5 s; the margin is for load
         while observer.stats().num_sessions > before.num_sessions and time.monotonic() < deadline:
             time.sleep(0.05)
         after = observer.stats()
