@@ -8,8 +8,9 @@ Three limits, checked in this order, each a bounded ``DoesNotFit.reason``:
 
 * ``pool``: free plus evictable (cached) blocks, less the cached blocks the request itself hits
   (they leave the LRU);
-* ``quota``: the tenant's own blocks (live, pending and cached) after evicting its own cached
-  ones;
+* ``quota``: the blocks the tenant is charged for (live, pending and cached: the charging rule
+  in ``blockd.core.blocks``), plus the hits it is not charged for yet (a hit costs quota like a
+  new block), after evicting its own cached ones;
 * ``guarantee``: blocks other tenants are guaranteed and do not hold right now stay available
   to them.
 
@@ -77,14 +78,18 @@ class Admission:
         # Blocks of its own that a preemption frees stop counting against the quota once
         # their fences complete (they are then free, or cached and evictable).
         own_evictable = blocks.cached[tenant] + (freed[tenant] if freed else 0)
-        if over > own_evictable - len(hits):
-            if hit_cached is None:
+        # Each hit either costs the tenant quota (it is not charged for it yet: the charging
+        # rule, blocks.py) or, if it is its own cached block, stops being evictable: at most
+        # one of the two, so the hits are scanned only when that bound does not settle it.
+        if over + len(hits) > own_evictable:
+            if hits and hit_cached is None:
                 hit_cached = self._cached_hits(hits)
                 available -= len(hit_cached)
-            owner = blocks.owner
-            own_evictable -= sum(1 for b in hit_cached if owner[b] == tenant)
+            new, own_cached = self._hit_charges(tenant, hits)
+            over += new
+            own_evictable -= own_cached
             if over > own_evictable:
-                return DoesNotFit("quota", need, policy.quota_blocks - blocks.usage[tenant]
+                return DoesNotFit("quota", need + new, policy.quota_blocks - blocks.usage[tenant]
                                   + own_evictable)
         reserved = 0
         for slot, p in enumerate(self.tenants.policies):
@@ -96,6 +101,21 @@ class Admission:
         if reserved and available - reserved < need:
             return DoesNotFit("guarantee", need, max(0, available - reserved))
         return None
+
+    def _hit_charges(self, tenant: int, hits: Seq[int]) -> tuple[int, int]:
+        """(hits not yet charged to ``tenant``, its own CACHED hits): what taking ``hits``
+        adds to its charge and takes from what it can evict (``BlockArrays.hold``)."""
+        blocks = self.blocks
+        payer = blocks.payer
+        state = blocks.state
+        co = blocks.co_holders
+        new = own_cached = 0
+        for b in hits:
+            if payer[b] == tenant:
+                own_cached += state[b] == CACHED
+            elif not co or tenant not in co.get(b, ()):
+                new += 1
+        return new, own_cached
 
     def _cached_hits(self, hits: Seq[int]) -> list[int]:
         state = self.blocks.state

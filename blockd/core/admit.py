@@ -68,7 +68,7 @@ def admit(m: BlockManager, session: Session, ns: Namespace, raw: bytes, cache: b
     m.namespaces.incref(ns)
     if held:
         m.namespaces.decref(ns)  # the sequence's reference keeps it
-    m.cache.touch(hits)
+    m.cache.touch(hits, session.tenant)
     tiers.pin(lower, True)
     try:
         new = admission.allocate(session.tenant, need)

@@ -1,4 +1,5 @@
-"""Per-block state: refcounts, lifecycle state, owner, the free stack and the cached-block LRUs.
+"""Per-block state: refcounts, lifecycle state, owner and payer, the free stack and the cached
+LRUs.
 
 This room owns bytes of metadata, never policy: admission decides *whether* a tenant may
 allocate, the manager *which* sequence holds a block; ``BlockArrays`` makes the chosen
@@ -19,7 +20,27 @@ Invariants (checked by ``blockd.core.invariants.check_invariants``):
   CACHED blocks exactly those on an LRU list (both lists are threaded through ``next``);
 * FREE and CACHED blocks have ``ref == 0`` and ``pend == 0``; PENDING blocks ``ref == 0`` and
   ``pend > 0``; WRITING and COMMITTED blocks ``ref >= 1``;
-* ``usage[t]`` counts the non-FREE blocks owned by tenant ``t``; ``cached[t]`` its CACHED ones.
+* ``usage[t]`` counts the blocks tenant ``t`` is charged for (the charging rule below);
+  ``cached[t]`` its CACHED ones.
+
+The charging rule (issue 28, finding 6), enforced here and only here (``take``, ``hold``,
+``drop_holds``): **a block is charged once to every tenant that holds it, and a block no one
+holds (CACHED) to one tenant, its keeper**: the last one that held it. A tenant *holds* a
+block while a table of one of its sequences names it or one of its sessions' releases of it
+waits for a fence (a kernel of its worker may still read it). ``payer[b]`` is one tenant charged
+for block ``b`` (a holder while anyone holds it, the keeper after: a CACHED block is on its
+payer's LRU); the other holders and their counts of holds are ``co_holders[b]``.
+
+So a prefix hit costs the hitter quota exactly like a new block would, and the tenant that
+computed a block stops paying for it once it no longer holds it: one sharing-group member's
+hits, or its releases left waiting on fences its worker never reports, can never pin another
+member's quota. Before, a block stayed charged to the tenant that allocated it: a member that
+held 40 blocks another member had computed and released made that member's 20-block admit
+fail for quota. ``owner[b]`` still names the allocating tenant, whose bytes the block holds
+(scrub-on-reuse, flushes by tenant, lower-tier entries). A block held by several tenants is
+charged to each, so ``sum(usage)`` exceeds the blocks in use by the co-holders; a charge
+only ever moves (a hold ends) to a tenant already charged for the block, so letting go of
+blocks never takes a tenant over its quota.
 """
 
 from __future__ import annotations
@@ -40,8 +61,9 @@ STATE_NAMES = ("free", "writing", "committed", "pending", "cached")
 NO_OWNER = 0xFFFF
 _NIL = -1
 
-#: ref(4) + pend(4) + state(1) + owner(2) + prev(4) + next(4) + stamp(4).
-BYTES_PER_BLOCK = 23
+#: ref(4) + pend(4) + state(1) + owner(2) + payer(2) + prev(4) + next(4) + stamp(4)
+#: (``co_holders`` holds an entry only per block held by more than one tenant).
+BYTES_PER_BLOCK = 25
 _STAMP_MASK = 0xFFFFFFFF
 #: From this many blocks on, ``take`` writes the per-block fields with numpy, one call per
 #: field for the whole run; below it the views and index array cost more than the Python
@@ -59,17 +81,24 @@ class BlockArrays:
     def __init__(self, num_blocks: int, num_tenants: int = 1) -> None:
         n = num_blocks
         self.num_blocks = n
-        #: Number of block tables naming the block. Written by: manager (tables), caching (hits),
-        #: fences (drop_refs), this class (take).
+        #: Number of block tables naming the block. Written by: fences (drop_refs), this class
+        #: (take; hold, for hits and forks, which charges them).
         self.ref = array("i", bytes(4 * n))
         #: Releases of the block whose fence has not completed yet. Written by: fences only.
         self.pend = array("i", bytes(4 * n))
         #: Lifecycle state (FREE .. CACHED). Written by: this class, manager (commit), caching
         #: (hits), fences (PENDING).
         self.state = bytearray(n)
-        #: Tenant slot that allocated the block (kept after free, for scrub-on-reuse). Written by:
-        #: this class only.
+        #: Tenant slot that allocated the block, whose bytes it holds (kept after free, for
+        #: scrub-on-reuse, flushes by tenant and lower-tier room). Written by: this class only.
         self.owner = array("H", [NO_OWNER]) * n
+        #: Tenant slot charged for the block in ``usage``, whose LRU it is on while CACHED (the
+        #: charging rule in the module docstring). Written by: this class only.
+        self.payer = array("H", [NO_OWNER]) * n
+        #: block -> {tenant slot: holds (references and releases waiting for a fence)} of the
+        #: tenants other than ``payer[b]`` that hold it; each is charged for it too. Only
+        #: blocks held by several tenants have an entry. Written by: this class only.
+        self.co_holders: dict[int, dict[int, int]] = {}
         # Intrusive doubly linked LRU lists (one per tenant) over CACHED blocks. A list moves
         # blocks by rewriting two ints; an OrderedDict would cost ~100 bytes per entry.
         self.prev = array("i", [_NIL]) * n
@@ -118,6 +147,7 @@ class BlockArrays:
         ref = self.ref
         state = self.state
         owner = self.owner
+        payer = self.payer
         nxt = self.next
         b = self.free_head
         for i in range(n):
@@ -128,6 +158,7 @@ class BlockArrays:
             ref[b] = 1
             state[b] = WRITING
             owner[b] = tenant
+            payer[b] = tenant
             b = nxt[b]
             nxt[ids[i]] = _NIL
         self.free_head = b
@@ -160,6 +191,7 @@ class BlockArrays:
         np.frombuffer(self.ref, dtype=np.int32)[idx] = 1
         np.frombuffer(self.state, dtype=np.uint8)[idx] = WRITING
         owner[idx] = tenant
+        np.frombuffer(self.payer, dtype=np.uint16)[idx] = tenant
         np.frombuffer(nxt, dtype=np.int32)[idx] = _NIL
         self.free_head = b
         self.num_free -= n
@@ -174,12 +206,12 @@ class BlockArrays:
         """``give_back`` each block in order (the last one is handed out first)."""
         state = self.state
         usage = self.usage
-        owner = self.owner
+        payer = self.payer
         nxt = self.next
         head = self.free_head
         for b in blocks:
             state[b] = FREE
-            usage[owner[b]] -= 1
+            usage[payer[b]] -= 1
             nxt[b] = head
             head = b
         self.free_head = head
@@ -194,6 +226,77 @@ class BlockArrays:
             b = self.next[b]
         return out
 
+    # -- holds and charges (the charging rule, module docstring) ----------------------------
+
+    def hold(self, blocks: Seq[int], tenant: int, n: int = 1) -> None:
+        """``tenant`` takes ``n`` more references on each of ``blocks`` (a hit or a fork),
+        charged to it unless it already is. A block no one holds (CACHED: the caller unlinked
+        it from its LRU first) passes from its keeper to ``tenant``. State is the caller's."""
+        ref = self.ref
+        pend = self.pend
+        payer = self.payer
+        usage = self.usage
+        co = self.co_holders
+        for b in blocks:
+            p = payer[b]
+            if p == tenant:
+                pass
+            elif ref[b] == 0 and pend[b] == 0:
+                usage[p] -= 1
+                usage[tenant] += 1
+                payer[b] = tenant
+            else:
+                others = co.get(b)
+                if others is None:
+                    co[b] = {tenant: n}
+                    usage[tenant] += 1
+                elif tenant in others:
+                    others[tenant] += n
+                else:
+                    others[tenant] = n
+                    usage[tenant] += 1
+            ref[b] += n
+
+    def drop_holds(self, blocks: Seq[int], tenant: int) -> None:
+        """One hold of ``tenant`` on each of ``blocks`` ends; the caller decrements ``ref`` (a
+        release whose fence is complete) or ``pend`` (its fence completes) right after. A
+        co-holder's last hold ends its charge; the payer's last one, while others still hold
+        the block, hands the charge to the first of them (already charged: nobody's usage
+        grows). A block its last holder lets go stays charged to that holder, its keeper."""
+        co = self.co_holders
+        if not co:
+            return
+        ref = self.ref
+        pend = self.pend
+        payer = self.payer
+        usage = self.usage
+        for b in blocks:
+            others = co.get(b)
+            if others is None:
+                continue
+            if payer[b] != tenant:
+                left = others[tenant] - 1
+                if left:
+                    others[tenant] = left
+                    continue
+                del others[tenant]
+                usage[tenant] -= 1
+            elif ref[b] + pend[b] - 1 == sum(others.values()):
+                heir = next(iter(others))
+                del others[heir]
+                payer[b] = heir
+                usage[tenant] -= 1
+            else:
+                continue
+            if not others:
+                del co[b]
+
+    def charged(self, block: int) -> list[int]:
+        """The tenants ``block`` is charged to: its payer first, then its co-holders."""
+        others = self.co_holders.get(block)
+        p = self.payer[block]
+        return [p, *others] if others else [p]
+
     # -- the cached LRU -----------------------------------------------------------------------
 
     def cache(self, block: int) -> None:
@@ -204,7 +307,7 @@ class BlockArrays:
         """``cache`` each block in order (the last one becomes the most recently used)."""
         state = self.state
         stamp = self.stamp
-        owner = self.owner
+        payer = self.payer
         prev = self.prev
         nxt = self.next
         head = self.head
@@ -212,7 +315,7 @@ class BlockArrays:
         cached = self.cached
         clock = self._clock
         for b in blocks:
-            t = owner[b]
+            t = payer[b]
             state[b] = CACHED
             clock = (clock + 1) & _STAMP_MASK
             stamp[b] = clock
@@ -230,7 +333,7 @@ class BlockArrays:
 
     def uncache(self, block: int) -> None:
         """Unlink a CACHED block from its LRU (a hit or an eviction). State is the caller's."""
-        t = self.owner[block]
+        t = self.payer[block]
         p = self.prev[block]
         nx = self.next[block]
         if p == _NIL:

@@ -176,16 +176,16 @@ class PrefixCache:
 
     # -- references and idling ----------------------------------------------------------------
 
-    def touch(self, hits: Seq[int]) -> None:
-        """Take a reference on each hit block; cached ones leave the LRU."""
+    def touch(self, hits: Seq[int], tenant: int) -> None:
+        """``tenant`` takes a reference on each hit block, charged to it (``BlockArrays.hold``);
+        cached ones leave the LRU."""
         blocks = self.blocks
-        ref = blocks.ref
         state = blocks.state
         for b in hits:
             if state[b] == CACHED:
                 blocks.uncache(b)
-            ref[b] += 1
             state[b] = COMMITTED
+        blocks.hold(hits, tenant)
 
     def idle(self, idle: Iterable[int]) -> None:
         """Unreferenced blocks with no pending fence: CACHED if indexed, else FREE.

@@ -184,11 +184,14 @@ class FenceLedger:
         """Drop one reference on each block under ``fence``.
 
         A block no sequence references any more is reused only after every fence that covered
-        one of its releases has completed: ``pend`` counts those fences.
+        one of its releases has completed: ``pend`` counts those fences. The session's tenant
+        holds (is charged for) a block until its release's fence completes
+        (``BlockArrays.drop_holds``).
         """
         arrays = self.blocks
         ref = arrays.ref
         if session.is_complete(fence):
+            arrays.drop_holds(blocks, session.tenant)
             idle = []
             for b in blocks:
                 ref[b] -= 1
@@ -266,17 +269,18 @@ class FenceLedger:
         pend = arrays.pend
         cache = self.cache
         while waiting and waiting[0][0] <= fence:
-            f, kind, payload = waiting.popleft()
-            if kind == COMMIT:
+            f, _, payload = waiting.popleft()
+            if isinstance(payload, CommitBatch):
                 if session.pending:
-                    self._unpend(session, payload)  # type: ignore[arg-type]
+                    self._unpend(session, payload)
                 if drop_commits_after is None or f <= drop_commits_after:
-                    cache.apply_commit(payload)  # type: ignore[arg-type]
+                    cache.apply_commit(payload)
                 else:
-                    cache.drop_commit(payload)  # type: ignore[arg-type]
+                    cache.drop_commit(payload)
                 continue
+            arrays.drop_holds(payload, session.tenant)
             idle = []
-            for b in payload:  # type: ignore[union-attr]
+            for b in payload:
                 pend[b] -= 1
                 if pend[b] == 0 and ref[b] == 0:
                     idle.append(b)

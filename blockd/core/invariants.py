@@ -94,15 +94,44 @@ def _check_blocks(m: BlockManager, refs: Counter[int], pends: Counter[int]) -> N
                      f"block {b}: key maps elsewhere")
             _require(index.ns[b] != 0, f"indexed block {b} has no namespace")
         if s != FREE:
-            usage[a.owner[b]] += 1
+            usage[a.payer[b]] += 1
     _require(len(index.map) == sum(1 for k in index.key if k is not None),
              "index map and keys disagree")
     for b in m.cache.dup:
         _require(state[b] != FREE and index.key[b] is None, f"stale duplicate {b}")
+    _require(sum(usage) == m.num_blocks - a.num_free, "payers do not sum to the blocks in use")
+    _check_charges(m, usage)
     _require(usage == a.usage, f"usage {a.usage} but blocks say {usage}")
     _require([len(x) for x in cached_sets] == a.cached, "cached counts disagree with the LRUs")
-    _require(sum(usage) == m.num_blocks - a.num_free, "usage does not sum to the blocks in use")
     _require(sum(a.count_states()) == m.num_blocks, "a block is in no state")
+
+
+def _check_charges(m: BlockManager, usage: list[int]) -> None:
+    """The charging rule (``blockd.core.blocks``): a held block's payer is one of its holders
+    (tenants whose tables name it or whose releases of it wait for a fence), ``co_holders``
+    are exactly the others with their holds; each of them is charged once more (added to
+    ``usage``, which counts payers so far)."""
+    a = m.blocks
+    holds: dict[int, Counter[int]] = {}
+    for seq in m.sequences.values():
+        for b in seq.table:
+            holds.setdefault(b, Counter())[seq.tenant] += 1
+    for session in m.sessions.values():
+        for _, _, payload in session.waiting:
+            if isinstance(payload, array):
+                for b in payload:
+                    holds.setdefault(b, Counter())[session.tenant] += 1
+    for b, by in holds.items():
+        p = a.payer[b]
+        _require(p in by, f"block {b}: payer {p} holds it not ({dict(by)})")
+        others = {t: n for t, n in by.items() if t != p}
+        _require(a.co_holders.get(b, {}) == others,
+                 f"block {b}: co-holders {a.co_holders.get(b)} but tables and fences say "
+                 f"{others}")
+        for t in others:
+            usage[t] += 1
+    for b, others in a.co_holders.items():
+        _require(b in holds and bool(others), f"block {b}: stale co-holders {others}")
 
 
 def _check_writes_and_quotas(m: BlockManager) -> None:

@@ -372,14 +372,12 @@ class BlockManager(CoreQueries):
         verdict = self.admission.limits(session.tenant, num_children, blocks, self.block_size)
         if verdict is not None:
             raise self.admission.refusal(verdict, "num_children")
-        ref = self.blocks.ref
         children = []
         for _ in range(num_children):
             child = parent.fork(self.ids.new())
             self.sequences[child.id] = child
             children.append(child.id)
-        for b in parent.table:
-            ref[b] += num_children
+        self.blocks.hold(parent.table, session.tenant, num_children)
         session.num_sequences += num_children
         self.tail.tokens += num_children * (blocks * self.block_size - parent.num_tokens)
         self.admission.charge(session.tenant, num_children, blocks, self.block_size)

@@ -174,18 +174,23 @@ class VictimChooser:
             return []
         eligible.sort(key=self.priority_of)
         ref = blocks.ref
-        owner = blocks.owner
+        charged = blocks.charged
         keep = set(hits)  # block ids (ints): membership only, never iterated
         # A block can be reclaimed only if every table naming it belongs to an eligible victim.
         held: dict[int, int] = {}
         for s in eligible:
             for b in s.table:
                 held[b] = held.get(b, 0) + 1
+        # Per tenant: the charges that end, or become evictable, once they are all released
+        # (a block's every holder is among them; ``blockd.core.blocks``, the charging rule).
         reclaimable = [0] * len(blocks.usage)
+        count = 0
         for b, n in held.items():
             if n == ref[b] and b not in keep:
-                reclaimable[owner[b]] += 1
-        if fits(tenant, need, hits, pending + sum(reclaimable), reclaimable) is not None:
+                count += 1
+                for t in charged(b):
+                    reclaimable[t] += 1
+        if fits(tenant, need, hits, pending + count, reclaimable) is not None:
             return []  # not even all of them together would make it fit
         useful = [s for s in eligible
                   if any(held[b] == ref[b] and b not in keep for b in s.table)]
@@ -202,7 +207,8 @@ class VictimChooser:
                 dropped[b] = dropped.get(b, 0) + 1
             for b in gain:
                 total += 1
-                freed[owner[b]] += 1
+                for t in charged(b):
+                    freed[t] += 1
             verdict = fits(tenant, need, hits, pending + total, freed)
             if verdict is None:
                 return chosen
@@ -217,8 +223,8 @@ class VictimChooser:
         policies = self.tenants.policies
         more: dict[int, int] = {}
         for b in gain:
-            o = blocks.owner[b]
-            more[o] = more.get(o, 0) + 1
+            for o in blocks.charged(b):
+                more[o] = more.get(o, 0) + 1
         for o, n in more.items():
             live = blocks.usage[o] - blocks.cached[o] - freed[o] - n
             if o != tenant and live < policies[o].guaranteed_blocks:

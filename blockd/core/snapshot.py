@@ -45,8 +45,9 @@ if TYPE_CHECKING:
 #: Bumped whenever the pickled layout changes (module paths, room classes, fields). A reader
 #: that finds another version must not unpickle it: the runtime starts a new epoch instead.
 #: 4: TenantPolicy.isolation (issue 14). 5: entry serials instead of block generations, the
-#: key table as its own object (issue 25).
-FORMAT_VERSION = 5
+#: key table as its own object (issue 25). 6: ``BlockArrays.payer`` and ``co_holders``, a
+#: block charged to each tenant that holds it (issue 28).
+FORMAT_VERSION = 6
 
 
 def dump(manager: BlockManager) -> bytes:

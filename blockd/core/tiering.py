@@ -21,7 +21,11 @@ Which slot a spill may take (``_room``): a tenant at its quota of the tier (``ho
 ``disk_quota_bytes``) evicts its own least recently used entry; otherwise a free slot, else the
 least recently used entry of a tenant whose priority is not above its own (a lower-priority
 tenant cannot push a higher-priority tenant's prefixes out); if there is none, the evicted
-prefix is dropped. Dedicated partitions have their own managers, so their own tiers.
+prefix is dropped. An entry counts against the tenant that computed its bytes (the pool
+block's ``owner``, not the tenant that kept it cached: ``blockd.core.blocks``' charging rule
+is about holds, and no one holds a lower entry), which is also whom a flush by tenant and
+scrub-on-reuse mean; a prefix has one lower copy at most, so another tenant's hits cannot
+multiply it, and a tenant at its quota of the tier is never refused for it (it evicts its own). Dedicated partitions have their own managers, so their own tiers.
 
 Bounded copies: per Step at most ``TierLimits.max_spill_blocks`` spills and demotions and
 ``max_load_blocks`` loads; beyond them an evicted prefix is dropped and a lower hit is a miss

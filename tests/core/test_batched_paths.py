@@ -26,8 +26,8 @@ def _scattered(num_blocks: int, tenants: int, seed: int) -> BlockArrays:
     a.usage = [0] * tenants
     for b in taken:
         a.ref[b] = 0
-        a.owner[b] = rng.randrange(tenants)
-        a.usage[a.owner[b]] += 1
+        a.owner[b] = a.payer[b] = rng.randrange(tenants)
+        a.usage[a.payer[b]] += 1
     cached, freed = taken[: num_blocks // 4], taken[num_blocks // 4:]
     for b in freed:
         _free_one(a, b)
@@ -41,7 +41,7 @@ def _scattered(num_blocks: int, tenants: int, seed: int) -> BlockArrays:
 def _free_one(a: BlockArrays, b: int) -> None:
     """``give_back`` as it was before the batch version (one block)."""
     a.state[b] = 0
-    a.usage[a.owner[b]] -= 1
+    a.usage[a.payer[b]] -= 1
     a.next[b] = a.free_head
     a.free_head = b
     a.num_free += 1
@@ -49,7 +49,7 @@ def _free_one(a: BlockArrays, b: int) -> None:
 
 def _cache_one(a: BlockArrays, b: int) -> None:
     """``cache`` as it was before the batch version (one block)."""
-    t = a.owner[b]
+    t = a.payer[b]
     a.state[b] = CACHED
     a._clock = (a._clock + 1) & 0xFFFFFFFF
     a.stamp[b] = a._clock
@@ -123,7 +123,7 @@ def test_cache_many_and_give_back_many_match_one_at_a_time() -> None:
     a = BlockArrays(32, 2)
     a.take(32, 0, [False, False], False, [])
     for blk in range(16, 32):
-        a.owner[blk] = 1
+        a.owner[blk] = a.payer[blk] = 1
     a.usage = [16, 16]
     for blk in range(32):
         a.ref[blk] = 0

@@ -1,6 +1,12 @@
-"""Manager metadata stays compact at 1,000,000 blocks: at most 64 bytes per block fresh or held
+"""Manager metadata stays compact at 1,000,000 blocks: at most 64 bytes per block fresh, 66 held
 by live sequences, at most 150 per block with the whole pool in the prefix index (issue 17),
 exact verification kept (every indexed block's key and token ids are stored).
+
+The held figure was 64 until issue 28 (finding 6) added ``BlockArrays.payer``, the tenant
+charged for each block (2 bytes per block, a flat array like every other field): the pool held
+by 100-block sequences measured 63.5 bytes per block before and 65.5 after. Keeping 64 would
+have meant a dict entry per block whose charge moved to another tenant (~100 bytes each under
+sharing) or packing two fields into one.
 
 Measured with tracemalloc (every array, list and object the manager allocates), and for the
 fully indexed pool, whose filling takes ~20x longer under tracemalloc, by summing
@@ -24,6 +30,7 @@ from blockd.core.prefix_index import BYTES_PER_BLOCK as INDEX_BYTES
 
 N = 1_000_000
 LIMIT = 64
+HELD_LIMIT = 66
 INDEXED_LIMIT = 150
 _NOT_STATE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
               types.MethodType)
@@ -76,7 +83,7 @@ def test_fresh_manager_is_under_64_bytes_per_block() -> None:
     assert m.num_blocks == N
 
 
-def test_full_pool_is_under_64_bytes_per_block() -> None:
+def test_full_pool_is_under_66_bytes_per_block() -> None:
     """Every block held by one of 10,000 live sequences (100 blocks each, caching off)."""
     spec = PoolSpec(block_size=16, num_blocks=N)
     m = BlockManager(spec, [TenantPolicy("acme", quota_blocks=N)])
@@ -100,7 +107,7 @@ def test_full_pool_is_under_64_bytes_per_block() -> None:
     assert m.blocks.num_free == 0
     fixed = ALLOC_BYTES + INDEX_BYTES
     per_block = fixed + (grown - base) / N
-    assert per_block <= LIMIT, f"{per_block:.1f} bytes per block ({fixed} fixed)"
+    assert per_block <= HELD_LIMIT, f"{per_block:.1f} bytes per block ({fixed} fixed)"
 
 
 def test_both_measures_agree_on_an_indexed_pool() -> None:

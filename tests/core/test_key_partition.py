@@ -349,16 +349,21 @@ def test_colliding_hash_after_flush_never_hits_a_stale_child() -> None:
 
 
 def test_colliding_hash_after_parent_eviction_never_hits_a_stale_child() -> None:
-    m, sa, sb = _public_pair(LenHasher, quota_a=1)
+    m, sa, sb = _public_pair(LenHasher, quota_a=2)
     scope = PrefixScope("m")
     p = admit_commit(m, sa, scope, [1])
     m.release(sa, p.seq_id)
     c = admit_commit(m, sb, scope, [1, 2, 60])
     assert c.num_cached_tokens == 1
     m.release(sb, c.seq_id)
-    # a is at its quota of 1 (P is cached): this admit evicts P and reuses its id for [7].
-    q = admit_commit(m, sa, scope, [7])
-    assert q.block_table == p.block_table[:1]
+    # b held P last, so b keeps it (the charging rule); a hit gives it back to a.
+    r = admit_commit(m, sa, scope, [1, 5])
+    assert r.block_table[:1] == p.block_table[:1]
+    m.release(sa, r.seq_id)
+    # a is at its quota of 2 (P and [5] cached): this admit evicts both and reuses P's id
+    # for [7].
+    q = admit_commit(m, sa, scope, [7, 8])
+    assert q.block_table[:1] == p.block_table[:1]
     m.release(sa, q.seq_id)
     res = admit(m, sb, scope, [7, 2, 99])
     assert res.num_cached_tokens <= 1, (
