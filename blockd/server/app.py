@@ -268,4 +268,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         deadline = loop.time() + sc.grace_seconds
         while daemon.sessions and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        streams = servicer.end_streams()  # each answers UNAVAILABLE, before the server stops
+        if streams:
+            log.warning("the drain's grace ended with streams open: ended them",
+                        extra=logs.fields(streams=streams, sessions=len(daemon.sessions)))
+            await asyncio.sleep(0.05)
     log.info("stopped")

@@ -81,6 +81,23 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         self.metrics = metrics
         self.gate = gate or FairGate()
         self.holds = holds or RefusalHolds()
+        #: The tasks of the open streams (StepStream, WatchEvents): ended by ``end_streams``.
+        self._streams: set[asyncio.Task[Any]] = set()
+
+    def end_streams(self) -> int:
+        """End every open stream with UNAVAILABLE (the drain's grace is over): each handler's
+        task is cancelled at its await and answers the client itself, so nothing is left for
+        the server's stop to cancel (grpc logs such a cancellation as an unhandled exception,
+        with a raw traceback). Returns how many were open."""
+        for task in self._streams:
+            task.cancel()
+        return len(self._streams)
+
+    def _open_stream(self) -> asyncio.Task[Any]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._streams.add(task)
+        return task
 
     async def _held(self, exc: Exception) -> Exception:
         """A refusal for rate once its hint passed, one of a request over the per-call bound
@@ -210,6 +227,7 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     async def StepStream(self, request_iterator: AsyncIterator[bytes],
                          context: Any) -> AsyncIterator[pb.StepResponse]:
+        task = self._open_stream()
         try:
             async for request in request_iterator:
                 try:
@@ -217,8 +235,12 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
                 finally:
                     self.d.check()
                 yield response
+        except asyncio.CancelledError:
+            await _ended_by_drain(self.d, context)
         except Exception as exc:
             await _abort(context, await self._held(exc), "StepStream")
+        finally:
+            self._streams.discard(task)
 
     @_rpc
     async def Lookup(self, request: bytes, context: Any) -> pb.LookupResponse:
@@ -290,11 +312,16 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Any
                           ) -> AsyncIterator[pb.WatchEventsResponse]:
+        task = self._open_stream()
         try:
             async for response in self.d.watch(self._caller(context), request.since_sequence):
                 yield response
+        except asyncio.CancelledError:
+            await _ended_by_drain(self.d, context)
         except Exception as exc:
             await _abort(context, exc, "WatchEvents")
+        finally:
+            self._streams.discard(task)
 
     @_rpc
     async def FlushNamespace(self, request: pb.FlushNamespaceRequest, context: Any
@@ -302,6 +329,16 @@ class BlockdServicer(pb_grpc.BlockdServiceServicer):
         p = self._caller(context)
         async with self._turn(p, step.OP_UNITS, tenant_id=request.tenant_id):
             return self.d.flush(p, request)
+
+
+async def _ended_by_drain(d: Daemon, context: Any) -> None:
+    """A stream ``end_streams`` cancelled once the drain's grace ended answers UNAVAILABLE (a
+    client reconnects to the next daemon, as after any restart). Any other cancellation (the
+    client's, grpc's) propagates."""
+    if not d.draining:
+        raise asyncio.CancelledError
+    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                        "the daemon is stopping: the drain's grace ended with this stream open")
 
 
 def _raw(raw: bytes | Message) -> bytes:

@@ -1,5 +1,6 @@
 """Leases, SIGTERM draining, SIGHUP reloads, and metrics that move with the workload."""
 
+import queue
 import signal
 import time
 
@@ -58,6 +59,36 @@ def test_sigterm_drains_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert time.monotonic() - t0 < 2.0
     assert "draining" in d.log_text() and "stopped" in d.log_text()
     d.stop()
+
+
+def test_a_drain_that_times_out_ends_open_streams_with_unavailable_and_no_traceback(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # #28 finding 10: the grace ended with a StepStream open, and grpc logged the server's
+    # cancellation of it as an error followed by three raw traceback lines.
+    d = start(tmp_path / "streams", extra={"server": {"grace_seconds": 0.5}})
+    stub = d.stub("unix")
+    w = Worker(stub, "alice", "acme")
+    requests: queue.Queue[pb.StepRequest | None] = queue.Queue()
+    stream = stub.StepStream(iter(requests.get, None), metadata=md("alice"))
+    requests.put(pb.StepRequest(session_id=w.sid, epoch=w.epoch, step_id=1, fence=0,
+                                operations=[admit([1, 2, 3])]))
+    assert next(stream).results[0].status.code == 0
+    events = stub.WatchEvents(pb.WatchEventsRequest(), metadata=md("admin"))
+    try:
+        d.signal(signal.SIGTERM)
+        assert list(events) == [] and events.code() == grpc.StatusCode.OK  # ends at the drain
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "drain" in info.value.details()
+        assert d.proc.wait(10) == 0
+        text = d.log_text()
+        assert "Traceback" not in text and "level=error" not in text, text
+        assert "ended them" in text and "stopped" in text
+    finally:
+        requests.put(None)
+        d.stop()
 
 
 def test_sighup_reloads_tenants_without_dropping_sessions(tmp_path) -> None:  # type: ignore[no-untyped-def]
