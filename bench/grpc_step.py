@@ -119,7 +119,8 @@ def write_config(workdir: Path) -> Path:
         "server": {"unix_socket": str(workdir / "blockd.sock"), "tcp_address": "",
                    "handle_socket": str(workdir / "pool.sock"), "grace_seconds": 2.0,
                    "check_invariants": False, "enable_echo": True},
-        "metrics": {"address": "127.0.0.1:0"},
+        # A rendering per scrape: the server-side histogram is read before and after each chunk.
+        "metrics": {"address": "127.0.0.1:0", "cache_ms": 0},
         "pool": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS, "num_layers": 1,
                  "num_kv_heads": 1, "head_dim": 8, "dtype": "float16"},
         # A long lease and a lazy reaper: nothing expires mid-run and the reaper stays out of

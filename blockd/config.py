@@ -26,7 +26,9 @@ from blockd.core.spec import PoolSpec
 from blockd.events_config import PLACEHOLDER as PLACEHOLDER
 from blockd.events_config import EventsConfig as EventsConfig
 from blockd.handles_config import HandlesConfig
+from blockd.metrics_config import MetricsConfig as MetricsConfig
 from blockd.options import Setting, option
+from blockd.options import check_address as _check_address
 from blockd.paths import default_handle_socket, default_unix_socket, runtime_dir  # noqa: F401 (re-exported)
 from blockd.runtime.budgets import PARSE_BYTES_PER_UNIT
 from blockd.tiers_config import TiersConfig
@@ -38,16 +40,6 @@ CLIENT_ENV = ("BLOCKD_TARGET", "BLOCKD_TOKEN", "BLOCKD_TOKEN_FILE", "BLOCKD_HAND
 #: The longest Unix socket path the kernel takes (``sun_path`` is 108 bytes, NUL included).
 MAX_UNIX_PATH = 107
 LOG_LEVELS, LOG_FORMATS = ("DEBUG", "INFO", "WARNING", "ERROR"), ("kv", "json")
-
-
-def _check_address(value: str, where: str) -> None:
-    """``host:port`` (``[v6]:port``), port 0..65535; "" is allowed (disabled)."""
-    if not value:
-        return
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise InvalidArgument(f"{where}: expected HOST:PORT with a port in 0..65535, got "
-                              f"{value!r}", field=where)
 
 
 def _check_socket_path(cfg: Any, name: str, where: str) -> None:
@@ -147,22 +139,6 @@ class ServerConfig:
             raise InvalidArgument("server.invariant_check_interval_ms: must not be negative, "
                                   f"got {self.invariant_check_interval_ms}",
                                   field="server.invariant_check_interval_ms")
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """The Prometheus endpoint."""
-
-    address: str = option("127.0.0.1:9400",
-                          "host:port serving /metrics and /healthz (\"\" disables it; port 0 "
-                          "picks one).")
-    max_connections: int = option(16, "Most HTTP connections open at once (more: closed).")
-    request_timeout_s: float = option(5.0, "Seconds one HTTP connection may take, request and "
-                                           "answer; a slower client is cut off.")
-
-    def __post_init__(self) -> None:
-        _check_address(self.address, "metrics.address")
-        _check_positive(self, "metrics", "max_connections", "request_timeout_s")
 
 
 @dataclass(frozen=True)

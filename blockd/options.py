@@ -39,6 +39,16 @@ def option(default: Any = dataclasses.MISSING, doc: str = "", *,
     return field(default=default, metadata={"help": text})
 
 
+def check_address(value: str, where: str) -> None:
+    """``host:port`` (``[v6]:port``), port 0..65535; "" is allowed (disabled)."""
+    if not value:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidArgument(f"{where}: expected HOST:PORT with a port in 0..65535, got "
+                              f"{value!r}", field=where)
+
+
 @dataclass(frozen=True)
 class Setting:
     """One field of a tree, with its names in every source."""

@@ -37,16 +37,17 @@ from blockd.runtime import startup as runtime
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.kv_events import KvEventPublisher
 from blockd.runtime.refusal_holds import RefusalHolds
-from blockd.server import reflection
+from blockd.server import metrics_http, reflection
 from blockd.server.endpoints import (
     SocketClaim,
     check_port,
+    is_loopback,
     require_tls_off_loopback,
     set_socket_mode,
     split_address,
     tls_credentials,
 )
-from blockd.server.metrics import Metrics, serve_http
+from blockd.server.metrics import Metrics
 from blockd.server.servicer import BlockdServicer, add_to_server
 
 log = logging.getLogger("blockd.server")
@@ -136,6 +137,20 @@ def _start_runtime(cfg: Config) -> Daemon:
                                  f"{exc.strerror or exc}", field=field) from None
 
 
+def _warn_open_metrics(cfg: Config) -> None:
+    """An unauthenticated metrics listener off loopback is allowed (Prometheus in the cluster
+    scrapes the Pod IP) but said at start: anyone who reaches it reads the pool's figures."""
+    mc = cfg.metrics
+    host, _ = split_address(mc.address)
+    if mc.authenticated or is_loopback(host):
+        return
+    log.warning("metrics listener off loopback without authentication: anyone who reaches it "
+                "reads the pool's figures%s; set metrics.bearer_token_file or "
+                "metrics.tls_client_ca, or restrict it with a NetworkPolicy",
+                " and every tenant's" if mc.tenant_labels else "",
+                extra=logs.fields(address=mc.address))
+
+
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
     sc = cfg.server
@@ -153,6 +168,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             check_port(sc.tcp_address, "server.tcp_address")
         if cfg.metrics.address:
             check_port(cfg.metrics.address, "metrics.address")
+            scrape_creds = metrics_http.prepare(cfg.metrics)  # unreadable files: refused here
+            _warn_open_metrics(cfg)
         publisher = None
         if cfg.events.zmq_endpoint:
             # Bound before the pool exists, so a taken port fails the start cheaply.
@@ -163,7 +180,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             stack.push_async_callback(asyncio.to_thread, publisher.stop)
         daemon = _start_runtime(cfg)
         stack.callback(daemon.close)
-        metrics = Metrics()
+        metrics = Metrics(cfg.metrics)
         metrics.bind(daemon, events=publisher)
         servicer = BlockdServicer(daemon, metrics,
                                   holds=RefusalHolds(cfg.tenants.rate_refusal_hold_ms))
@@ -207,15 +224,16 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         if cfg.metrics.address:
             host, port = split_address(cfg.metrics.address)
             try:
-                metrics_server = await serve_http(
-                    metrics, host, port, max_connections=cfg.metrics.max_connections,
-                    timeout=cfg.metrics.request_timeout_s)
+                metrics_server = await metrics_http.serve_http(metrics, host, port, cfg.metrics,
+                                                               scrape_creds)
             except OSError as exc:
                 raise FailedPrecondition(f"metrics.address: cannot listen on "
                                          f"{cfg.metrics.address}: {exc.strerror}",
                                          field="metrics.address") from None
             stack.callback(metrics_server.close)
             endpoints["metrics"] = f"{host}:{metrics_server.sockets[0].getsockname()[1]}"
+            if cfg.metrics.tls_cert:
+                endpoints["metrics_tls"] = "mtls" if cfg.metrics.tls_client_ca else "tls"
 
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

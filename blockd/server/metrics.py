@@ -12,17 +12,26 @@ deploy/prometheus/blockd-rules.yaml as ``blockd:prefix_cache_hit_rate:ratio_rate
 The registry is private (nothing a library registers globally leaks in), so the standard
 ``process_*``, ``python_info`` and ``python_gc_*`` collectors are added to it explicitly.
 
-Most values are read at scrape time by a custom collector, through the public queries of the
+Most values are read at render time by a custom collector, through the public queries of the
 runtime (``blockd.runtime.daemon.Daemon``) and the core (``BlockManager.state_counts``,
 ``tenant_usage``...); since the HTTP server runs on the same event loop as the gRPC handlers, a
-scrape always sees a consistent state.
+rendering always sees a consistent state.
+
+What a rendering costs the loop does not grow with the live sequences: every figure is a running
+total the core or the runtime keeps, or an O(tenants) / O(sessions) / O(partitions) loop over
+them, except the block-state counts, one C-speed scan of the pool's state bytes (about 2 ns per
+block, bench/results/metrics_scrape.json). And it does not grow with the scrapers: a rendering
+is reused for ``metrics.cache_ms`` (every scrape within it gets the same bytes), so N scrapers,
+or one that asks in a loop, cost the loop one rendering per interval plus a copy per answer.
+Per-tenant families are labelled by tenant, or summed with ``metrics.tenant_labels`` off
+(``blockd.server.tenant_series``). The listener (authentication, TLS, bounds) is
+``blockd.server.metrics_http``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import platform
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -40,15 +49,15 @@ from prometheus_client.registry import Collector
 
 import blockd
 from blockd.core.errors import StatusCode
+from blockd.metrics_config import MetricsConfig
 from blockd.server.remote_metrics import RemoteCollector
+from blockd.server.tenant_series import tenant_family
 from blockd.server.tier_metrics import TierCollector
 
 if TYPE_CHECKING:
     from blockd.runtime.daemon import Daemon
     from blockd.runtime.kv_events import KvEventPublisher
     from blockd.runtime.recovery import Recovery
-
-log = logging.getLogger("blockd.metrics")
 
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                 0.5, 1.0)
@@ -80,7 +89,16 @@ OPERATION_ERROR_CODES = tuple(c.name for c in StatusCode if c is not StatusCode.
 class Metrics:
     """The registry plus the few metrics the transport updates itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: MetricsConfig | None = None) -> None:
+        settings = settings or MetricsConfig()
+        #: Seconds a rendering is reused (``metrics.cache_ms``).
+        self.cache_s = settings.cache_ms / 1000
+        #: Per-tenant series labelled by tenant (``metrics.tenant_labels``), else summed.
+        self.tenant_labels = settings.tenant_labels
+        #: Renderings of the exposition (a scrape within ``cache_s`` of the last reuses it).
+        self.renders = 0
+        self._body = b""
+        self._rendered_at = -float("inf")
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)  # process_* (CPU, memory, fds, start time)
         PlatformCollector(registry=self.registry)  # python_info
@@ -95,6 +113,8 @@ class Metrics:
         self.invariant_violations = 0
         #: HTTP connections closed at accept: ``metrics.max_connections`` were open.
         self.http_refused = 0
+        #: Requests answered 401: no or a wrong bearer token (``metrics.bearer_token_file``).
+        self.http_unauthorized = 0
         #: The handle server (``blockd.pools.handles``), set by the app: ``/healthz`` is 503
         #: once its accept thread has stopped (workers could no longer map the pool).
         self.handles: Any = None
@@ -103,13 +123,21 @@ class Metrics:
         """Export ``daemon``'s state and, when events are on, the KV-event publisher's counters."""
         self.daemon = daemon
         self.registry.register(_DaemonCollector(daemon, self))
-        self.registry.register(TierCollector(daemon))
+        self.registry.register(TierCollector(daemon, tenant_labels=self.tenant_labels))
         self.registry.register(RemoteCollector(daemon))
         if events is not None:
             self.registry.register(_KvEventsCollector(events))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition: rendered at most once per ``cache_s`` (the scrapes between get the
+        same bytes; a counter at most ``cache_s`` old is what Prometheus' own scrape interval
+        makes of it anyway)."""
+        now = time.monotonic()
+        if now - self._rendered_at >= self.cache_s:
+            self.renders += 1
+            self._body = generate_latest(self.registry)
+            self._rendered_at = now
+        return self._body
 
     def health(self) -> tuple[str, bytes]:
         """``/healthz``: 503 once the daemon drains (SIGTERM), so that an HTTP load balancer or
@@ -125,8 +153,8 @@ class Metrics:
         return "200 OK", b"ok\n"
 
     def status_page(self) -> bytes:
-        """``GET /``: what this listener is and serves (no tenant's data: it is
-        unauthenticated)."""
+        """``GET /``: what this listener is and serves (no tenant's data: without
+        ``metrics.bearer_token_file`` it is unauthenticated)."""
         status, body = self.health()
         d = self.daemon
         lines = [f"blockd {blockd.__version__}",
@@ -195,20 +223,16 @@ class _DaemonCollector(Collector):
             fail.add_metric([reason], c.alloc_failures.get(reason, 0))
         yield fail
         usage = m.tenant_usage()
-        preempted = CounterMetricFamily(
-            "blockd_preemptions",
+        labels = self.metrics.tenant_labels
+        yield tenant_family(
+            CounterMetricFamily, "blockd_preemptions",
             "Running sequences preempted for a higher-priority request, by the victim's tenant.",
-            labels=["tenant"])
-        for u in usage:
-            preempted.add_metric([u.tenant_id], u.preemptions)
-        yield preempted
-        rate = CounterMetricFamily(
-            "blockd_rate_limited",
+            [((u.tenant_id,), u.preemptions) for u in usage], labels=labels)
+        yield tenant_family(
+            CounterMetricFamily, "blockd_rate_limited",
             "Calls refused because the tenant's work budget was spent (reason 'rate').",
-            labels=["tenant"])
-        for u in usage:
-            rate.add_metric([u.tenant_id], d.budgets.refused.get(u.tenant_id, 0))
-        yield rate
+            [((u.tenant_id,), d.budgets.refused.get(u.tenant_id, 0)) for u in usage],
+            labels=labels)
         errs = CounterMetricFamily("blockd_operation_errors",
                                    "Step operations that failed, by status.", labels=["code"])
         for code in OPERATION_ERROR_CODES:  # every series from the start, zeros included
@@ -221,6 +245,13 @@ class _DaemonCollector(Collector):
                                   "HTTP connections to /metrics closed at accept "
                                   "(metrics.max_connections were open).",
                                   value=self.metrics.http_refused)
+        yield CounterMetricFamily("blockd_metrics_unauthorized_requests",
+                                  "HTTP requests answered 401 (no or a wrong bearer token, "
+                                  "metrics.bearer_token_file).",
+                                  value=self.metrics.http_unauthorized)
+        yield CounterMetricFamily("blockd_metrics_renders",
+                                  "Renderings of /metrics (scrapes within metrics.cache_ms of "
+                                  "one reuse it).", value=self.metrics.renders)
         yield CounterMetricFamily("blockd_invariant_violations",
                                   "Periodic invariant checks that failed (see the log).",
                                   value=self.metrics.invariant_violations)
@@ -239,7 +270,7 @@ class _DaemonCollector(Collector):
             yield GaugeMetricFamily("blockd_last_snapshot_seconds",
                                     "Time the last snapshot held the event loop.",
                                     value=r.last_snapshot_seconds)
-            yield from _durability(r)
+            yield from _durability(r, labels)
         yield GaugeMetricFamily("blockd_pending_blocks",
                                 "Blocks waiting for a fence before reuse.",
                                 value=counts["pending"])
@@ -251,20 +282,15 @@ class _DaemonCollector(Collector):
                                 value=m.tail_waste_tokens())
         yield GaugeMetricFamily("blockd_sessions", "Attached sessions.", value=len(d.sessions))
         yield GaugeMetricFamily("blockd_sequences", "Live sequences.", value=m.num_sequences)
-        used_t = GaugeMetricFamily("blockd_tenant_used_blocks",
-                                   "Blocks held by a tenant (live, pending and cached).",
-                                   labels=["tenant"])
-        cached_t = GaugeMetricFamily("blockd_tenant_cached_blocks",
-                                     "Cached blocks owned by a tenant.", labels=["tenant"])
-        quota_t = GaugeMetricFamily("blockd_tenant_quota_blocks", "A tenant's quota in blocks.",
-                                    labels=["tenant"])
-        for u in usage:
-            used_t.add_metric([u.tenant_id], u.used_blocks)
-            cached_t.add_metric([u.tenant_id], u.cached_blocks)
-            quota_t.add_metric([u.tenant_id], u.quota_blocks)
-        yield used_t
-        yield cached_t
-        yield quota_t
+        for name, doc, field in (
+                ("blockd_tenant_used_blocks", "Blocks held by a tenant (live, pending and "
+                 "cached).", "used_blocks"),
+                ("blockd_tenant_cached_blocks", "Cached blocks owned by a tenant.",
+                 "cached_blocks"),
+                ("blockd_tenant_quota_blocks", "A tenant's quota in blocks.", "quota_blocks")):
+            yield tenant_family(GaugeMetricFamily, name, doc,
+                                [((u.tenant_id,), getattr(u, field)) for u in usage],
+                                labels=labels)
         yield GaugeMetricFamily("blockd_epoch", "The pool's current epoch.", value=d.epoch)
         yield GaugeMetricFamily("blockd_start_time_seconds", "Unix time the daemon started.",
                                 value=d.started)
@@ -278,60 +304,7 @@ class _DaemonCollector(Collector):
         yield info
 
 
-async def serve_http(metrics: Metrics, host: str, port: int, *, max_connections: int = 16,
-                     timeout: float = 5.0) -> asyncio.Server:
-    """A minimal HTTP/1.1 server for GET /metrics, /healthz and / on the event loop.
-
-    Bounded, so idle or half-sent requests cannot exhaust the daemon's fds: at most
-    ``max_connections`` are open at once (one more is closed at accept, and counted), and each
-    gets ``timeout`` seconds for its whole exchange (a byte every few seconds is cut off too).
-    """
-    open_now = 0
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal open_now
-        if open_now >= max_connections:
-            metrics.http_refused += 1
-            writer.close()
-            return
-        open_now += 1
-        try:
-            async with asyncio.timeout(timeout):
-                await exchange(reader, writer)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError):
-            pass
-        except Exception:  # pragma: no cover - a scrape must never take the daemon down
-            log.exception("metrics request failed")
-        finally:
-            open_now -= 1
-            writer.close()
-
-    async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = await reader.readuntil(b"\r\n\r\n")
-        line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
-        method, path = (line + ["", ""])[:2]
-        if method not in ("GET", "HEAD"):
-            status, body, ctype = "405 Method Not Allowed", b"", "text/plain"
-        elif path.split("?")[0] == "/metrics":
-            status, body = "200 OK", metrics.render()
-            ctype = "text/plain; version=0.0.4; charset=utf-8"
-        elif path.split("?")[0] == "/healthz":
-            (status, body), ctype = metrics.health(), "text/plain"
-        elif path.split("?")[0] == "/":
-            status, body = "200 OK", metrics.status_page()
-            ctype = "text/plain; charset=utf-8"
-        else:
-            status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
-        head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-        writer.write(head + (body if method == "GET" else b""))
-        await writer.drain()
-
-    return await asyncio.start_server(handle, host, port)
-
-
-def _durability(r: Recovery) -> Iterator[Metric]:
+def _durability(r: Recovery, labels: bool) -> Iterator[Metric]:
     """The state directory's room and the journal's health (``blockd.runtime.recovery``)."""
     free = r.free_bytes()
     if free is not None:
@@ -344,12 +317,10 @@ def _durability(r: Recovery) -> Iterator[Metric]:
     yield CounterMetricFamily("blockd_state_dir_refusals",
                               "Steps and attaches refused with RESOURCE_EXHAUSTED \"state dir "
                               "full\".", value=r.space_refusals)
-    journal_t = CounterMetricFamily("blockd_tenant_journal_bytes",
-                                    "Bytes of Step records a tenant's Steps journalled (charged "
-                                    "to its work budget).", labels=["tenant"])
-    for tenant_id, n in sorted(r.tenant_journal_bytes.items()):
-        journal_t.add_metric([tenant_id], n)
-    yield journal_t
+    yield tenant_family(CounterMetricFamily, "blockd_tenant_journal_bytes",
+                        "Bytes of Step records a tenant's Steps journalled (charged to its work "
+                        "budget).", [((tenant_id,), n) for tenant_id, n
+                                     in sorted(r.tenant_journal_bytes.items())], labels=labels)
     yield GaugeMetricFamily("blockd_journal_failed",
                             "1 once a journal write failed: every call is refused until the "
                             "daemon is restarted.", value=int(r.failed is not None))

@@ -5,7 +5,7 @@ in all; prompt tokens admits loaded from it; blocks copied into it and loaded ou
 bytes; entries it evicted; loads that failed their check; per reason, evicted pool prefixes not
 kept below and lower hits computed instead; copy errors by kind; and histograms of how long one
 block's load or store held the event loop. Per tenant, the slots it holds in each tier (bounded
-labels: configured tenants only).
+labels: configured tenants only; summed over tenants with ``metrics.tenant_labels`` off).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from blockd.core.lower_tiers import TIER_ORDER
+from blockd.server.tenant_series import tenant_family
 
 if TYPE_CHECKING:
     from blockd.runtime.daemon import Daemon
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 
 
 class TierCollector(Collector):
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, *, tenant_labels: bool = True) -> None:
         self.d = daemon
+        self.tenant_labels = tenant_labels
 
     def collect(self) -> Iterator[Metric]:
         d = self.d
@@ -42,8 +44,7 @@ class TierCollector(Collector):
                                  labels=["tier"])
         used_b = GaugeMetricFamily("blockd_tier_used_bytes", "Bytes of a lower tier's slots "
                                    "holding a prefix.", labels=["tier"])
-        tenant = GaugeMetricFamily("blockd_tenant_tier_used_slots", "Slots of a lower tier "
-                                   "holding a tenant's prefixes.", labels=["tenant", "tier"])
+        by_tenant: list[tuple[tuple[str, str], float]] = []
         for t in tiers:
             mine = [u for u in usage if u.tier == t]
             n, k = sum(u.num_slots for u in mine), sum(u.used_slots for u in mine)
@@ -55,9 +56,11 @@ class TierCollector(Collector):
             for u in mine:
                 for tid, held in u.by_tenant.items():
                     by[tid] = by.get(tid, 0) + held
-            for tid in sorted(by):
-                tenant.add_metric([tid, t], by[tid])
-        yield from (slots, used, size, used_b, tenant)
+            by_tenant += [((tid, t), by[tid]) for tid in sorted(by)]
+        yield from (slots, used, size, used_b)
+        yield tenant_family(GaugeMetricFamily, "blockd_tenant_tier_used_slots", "Slots of a lower "
+                            "tier holding a tenant's prefixes.", by_tenant,
+                            labels=self.tenant_labels, other=("tier",))
         c = d.manager.counters
         for name, doc, values in (
                 ("blockd_tier_hit_tokens", "Prompt tokens admits loaded from a lower tier.",

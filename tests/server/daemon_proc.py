@@ -116,7 +116,9 @@ def start(workdir: Path, *, num_blocks: int = 64, lease_ms: int = 10_000,
         "server": {"unix_socket": str(workdir / "blockd.sock"), "tcp_address": "127.0.0.1:0",
                    "handle_socket": str(workdir / "pool.sock"), "grace_seconds": 3.0,
                    "check_invariants": True},
-        "metrics": {"address": "127.0.0.1:0"},
+        # Live renderings: tests read a counter right after the call that moved it (the
+        # default metrics.cache_ms reuses one rendering for a second; tests of it set it).
+        "metrics": {"address": "127.0.0.1:0", "cache_ms": 0},
         "pool": {"block_size": 4, "num_blocks": num_blocks, "num_layers": 2, "num_kv_heads": 2,
                  "head_dim": 8, "dtype": "float16"},
         "lease": {"default_ms": lease_ms, "min_ms": 100, "reap_interval_ms": 50},
