@@ -63,6 +63,23 @@ class EventsConfig:
     replay_buffer: int = option(
         10000,
         "Batches kept for replay (the oldest are dropped first).")
+    replay_max_bytes: int = option(
+        1 << 20,
+        "Most bytes one replay answer carries (each batch's topic, sequence number and "
+        "payload; at least one batch): a longer replay ends early with the end marker and "
+        "the subscriber asks again from the next sequence number.")
+    replay_bytes_per_second: int = option(
+        4 << 20,
+        "Bytes every replay answer together may carry per second (a token bucket holding a "
+        "second's worth, at least replay_max_bytes): however many peers ask, an 8-byte "
+        "request no longer makes the daemon send megabytes.")
+    replay_requests_per_second: float = option(
+        2.0,
+        "Replay requests answered per second per peer (its address: the IP over TCP); "
+        "beyond, a request is answered with the end marker only.")
+    replay_request_burst: int = option(
+        10,
+        "Replay requests a peer may make at once before replay_requests_per_second holds.")
     hwm: int = option(
         100000,
         "ZMQ send high-water mark of the PUB socket (messages queued per slow "
@@ -88,6 +105,12 @@ class EventsConfig:
         checks = (("batch_ms", self.batch_ms >= 0, "must be >= 0"),
                   ("max_batch", self.max_batch >= 1, "must be >= 1"),
                   ("replay_buffer", self.replay_buffer >= 1, "must be >= 1"),
+                  ("replay_max_bytes", self.replay_max_bytes >= 1, "must be >= 1"),
+                  ("replay_bytes_per_second", self.replay_bytes_per_second >= 1,
+                   "must be >= 1"),
+                  ("replay_requests_per_second", self.replay_requests_per_second > 0,
+                   "must be > 0"),
+                  ("replay_request_burst", self.replay_request_burst >= 1, "must be >= 1"),
                   ("hwm", self.hwm >= 1, "must be >= 1"),
                   ("wire_format", self.wire_format in ("vllm", "legacy"),
                    "must be 'vllm' or 'legacy'"),

@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from blockd.events_config import EventsConfig
 from blockd.core.errors import FailedPrecondition
+from blockd.events_config import EventsConfig
 
 Z85_KEY_CHARS = 40
 

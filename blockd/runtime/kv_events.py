@@ -12,7 +12,8 @@ A publisher thread batches events (``batch_ms`` / ``max_batch``), encodes each b
 it in a bounded replay buffer and sends it on the PUB socket (which drops rather than blocks for
 a slow subscriber). A socket thread owns the ROUTER socket and the PUB socket's monitor: it
 answers replay requests from a snapshot of that buffer, so a replay never delays publishing,
-and counts the PUB socket's connected peers. Each socket is used by one thread only; the threads
+each answer bounded per request, per peer and in all (``blockd.runtime.kv_replay``), and counts
+the PUB socket's connected peers. Each socket is used by one thread only; the threads
 share the buffer and the counters under locks.
 
 Who may read (docs/security.md): without CURVE the sockets are unauthenticated, so a private
@@ -39,15 +40,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from blockd import logs
-from blockd.events_config import EventsConfig
 from blockd.core.errors import FailedPrecondition, InvalidArgument
+from blockd.events_config import EventsConfig
 from blockd.runtime import kv_curve
 from blockd.runtime.events import CLEARED, REMOVED, STORED, Event, medium_of
+from blockd.runtime.kv_replay import END_SEQ as END_SEQ
+from blockd.runtime.kv_replay import ReplayLimits
 
 log = logging.getLogger("blockd.kv_events")
 
-#: The sequence number that ends a replay: -1 as a signed 64-bit big-endian integer.
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: The optional BlockStored field with blockd's labels (``events.labels``); vLLM has no field
 #: of that name, so its decoder skips it.
 LABELS_FIELD = "blockd"
@@ -195,7 +196,8 @@ class KvEventPublisher:
         #: Sequence number of the next batch: 0 first, +1 per batch (vLLM's numbering).
         self.next_seq = 0
         self._counts = dict.fromkeys(("published_batches", "published_events",
-                                      "dropped_batches", "dropped_events", "replays_served"), 0)
+                                      "dropped_batches", "dropped_events", "replays_served",
+                                      "replays_limited", "replays_truncated", "replay_bytes"), 0)
         self._peers: set[int] = set()
         self._stats_lock = threading.Lock()
         self._overflowed = False  # event loop only
@@ -213,6 +215,8 @@ class KvEventPublisher:
         secret = kv_curve.read_secret(cfg)
         #: CURVE on the sockets (``blockd.runtime.kv_curve``), None without it.
         self.curve = kv_curve.CurveServer(secret, kv_curve.client_keys(cfg)) if secret else None
+        #: The replay answers' bounds (socket thread only).
+        self.replay_limits = ReplayLimits(cfg, topic=self.topic, legacy=self.legacy)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -293,14 +297,15 @@ class KvEventPublisher:
 
         ``published_batches``/``published_events``: batches sent on the PUB socket and the
         vLLM events (BlockStored, BlockRemoved, AllBlocksCleared) in them. ``dropped_batches``:
-        batches lost
-        before a consumer could see them (a run of events dropped by a full queue, a batch
-        that failed to encode, or one the PUB socket refused; the last kind can be replayed).
-        ``dropped_events``: blockd's events (one per block, or a clear) in the first two
-        kinds. ``replays_served``: replay
-        requests answered. ``subscribers``: peers connected to the PUB socket now (the socket
-        monitor's accepted or connected minus disconnected connections, whatever topics they
-        subscribe to).
+        batches lost before a consumer could see them (a run of events dropped by a full
+        queue, a batch that failed to encode, or one the PUB socket refused; the last kind can
+        be replayed). ``dropped_events``: blockd's events (one per block, or a clear) in the
+        first two kinds. ``replays_served``: replay requests answered (``replays_truncated``
+        of them ended before the newest batch); ``replays_limited``: requests answered with
+        the end marker only (the peer's rate or the byte budget spent); ``replay_bytes``:
+        bytes of the batches replays carried. ``subscribers``: peers connected to the PUB
+        socket now (the socket monitor's accepted or connected minus disconnected
+        connections, whatever topics they subscribe to).
         """
         with self._stats_lock:
             out = dict(self._counts)
@@ -425,7 +430,7 @@ class KvEventPublisher:
                 if self._monitor is not None and self._monitor in ready:
                     self._on_monitor(self._monitor)
                 if self._router is not None and self._router in ready:
-                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     self._serve_replay(self._router, frames)
             except zmq.Again:
                 continue
@@ -445,26 +450,32 @@ class KvEventPublisher:
             elif event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 self._peers.add(fd)
 
-    def _serve_replay(self, router: zmq.Socket[Any], frames: list[bytes]) -> None:
+    def _serve_replay(self, router: zmq.Socket[Any], frames: list[zmq.Frame]) -> None:
         # [identity, b"", start_seq]: a REQ client adds the empty delimiter itself; a DEALER
         # client sends it explicitly (one without it is served too).
-        identity = frames[0]
-        body = frames[2:] if len(frames) >= 3 and frames[1] == b"" else frames[1:]
-        # vLLM: [b"", topic, seq, payload] per batch, [b"", b"", END, b""] at the end.
-        head = [identity, b""] if self.legacy else [identity, b"", self.topic]
-        end = [identity, b"", END_SEQ, b""] if self.legacy else [identity, b"", b"", END_SEQ,
-                                                                  b""]
-        if len(body) != 1 or len(body[0]) != 8:
-            log.debug("malformed replay request answered with the end marker only",
-                      extra=logs.fields(frames=len(frames)))
-            router.send_multipart(end)
-            return
-        start = int.from_bytes(body[0], "big")
-        batches = self.buffered(start)
-        for seq, payload in batches:
-            router.send_multipart([*head, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK,
-                                  copy=False)
+        raw = [f.bytes for f in frames]
+        identity = raw[0]
+        body = raw[2:] if len(raw) >= 3 and raw[1] == b"" else raw[1:]
+        answer = self.replay_limits.answer(identity, body, _peer(frames), self.buffered)
+        *batches, end = answer.messages
+        for message in batches:
+            router.send_multipart(message, flags=zmq.NOBLOCK, copy=False)
         with self._stats_lock:  # counted before its end is sent: a client that saw the end
-            self._counts["replays_served"] += 1  # sees the count (stats() races no more)
+            if answer.outcome == "limited":  # sees the count (stats() races no more)
+                self._counts["replays_limited"] += 1
+            elif answer.outcome != "malformed":
+                self._counts["replays_served"] += 1
+                self._counts["replays_truncated"] += answer.outcome == "truncated"
+                self._counts["replay_bytes"] += answer.bytes
         router.send_multipart(end, flags=zmq.NOBLOCK)
-        log.debug("replayed", extra=logs.fields(batches=len(batches), start_seq=start))
+        log.debug("replay answered", extra=logs.fields(outcome=answer.outcome,
+                                                       batches=answer.batches))
+
+
+def _peer(frames: list[zmq.Frame]) -> str:
+    """The requester as ZMQ knows it: its address (the IP over TCP), else its identity."""
+    try:
+        address = frames[-1].get("Peer-Address")
+    except zmq.ZMQError:
+        address = ""
+    return str(address) if address else "id:" + frames[0].bytes.hex()

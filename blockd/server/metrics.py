@@ -75,6 +75,14 @@ KV_EVENT_METRICS: tuple[tuple[str, str, str, str], ...] = (
      "blockd events dropped by a full queue or a failed encoding (no replay has them)."),
     ("replays_served", "blockd_kv_event_replays_served", "counter",
      "Replay requests answered on the replay (ROUTER) socket."),
+    ("replays_limited", "blockd_kv_event_replays_limited", "counter",
+     "Replay requests answered with the end marker only: the peer's request rate "
+     "(events.replay_requests_per_second) or every peer's byte budget was spent."),
+    ("replays_truncated", "blockd_kv_event_replays_truncated", "counter",
+     "Replay answers that ended before the newest batch (events.replay_max_bytes or the byte "
+     "budget): the subscriber asks again from the next sequence number."),
+    ("replay_bytes", "blockd_kv_event_replay_bytes", "counter",
+     "Bytes of the batches replay answers carried (topic, sequence number and payload)."),
     ("subscribers", "blockd_kv_event_subscribers", "gauge",
      "Peers connected to the KV-event PUB socket now."),
 )

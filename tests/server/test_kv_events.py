@@ -596,6 +596,7 @@ def test_stats_count_subscribers_replays_and_drops() -> None:
     pub = _publisher(hwm=3)
     assert pub.stats() == {"published_batches": 0, "published_events": 0,
                            "dropped_batches": 0, "dropped_events": 0, "replays_served": 0,
+                           "replays_limited": 0, "replays_truncated": 0, "replay_bytes": 0,
                            "subscribers": 0}
     # Its thread not started yet, the publisher has fallen behind: the queue holds 3 events;
     # the next two are dropped (one run: one dropped batch).
