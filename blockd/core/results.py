@@ -150,8 +150,10 @@ class TenantUsage:
     """One configured (active) tenant's policy figures and what it holds now."""
 
     tenant_id: str
-    #: Blocks it holds: live, pending and cached.
+    #: Blocks it is charged for (``blockd.core.blocks``, the charging rule): those it holds
+    #: (live, or released under a fence not yet complete) and the cached ones it keeps.
     used_blocks: int
+    #: Of those, the cached ones it keeps (evictable for its own admits).
     cached_blocks: int
     quota_blocks: int
     guaranteed_blocks: int

@@ -25,7 +25,8 @@ prefix is dropped. An entry counts against the tenant that computed its bytes (t
 block's ``owner``, not the tenant that kept it cached: ``blockd.core.blocks``' charging rule
 is about holds, and no one holds a lower entry), which is also whom a flush by tenant and
 scrub-on-reuse mean; a prefix has one lower copy at most, so another tenant's hits cannot
-multiply it, and a tenant at its quota of the tier is never refused for it (it evicts its own). Dedicated partitions have their own managers, so their own tiers.
+multiply it, and a tenant at its quota of the tier is never refused for it (it evicts its
+own). Dedicated partitions have their own managers, so their own tiers.
 
 Bounded copies: per Step at most ``TierLimits.max_spill_blocks`` spills and demotions and
 ``max_load_blocks`` loads; beyond them an evicted prefix is dropped and a lower hit is a miss

@@ -8,12 +8,13 @@ make another member's admit fail for quota.
 import itertools
 from array import array
 
-from helpers import SCOPE, snapshot
+from helpers import SCOPE, snapshot, state_of
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from blockd.core import AdmitResult, BlockManager, DoesNotFit, PoolSpec, TenantPolicy
+from blockd.core import snapshot as snapshots
 from blockd.core.tenants import Sharing
 
 B = 4
@@ -225,6 +226,13 @@ class ChargingMachine(RuleBasedStateMachine):
         self.m.close_session(self.sessions[t])
         self.sessions[t] = self.m.open_session(f"g{t}", f"s{t}.{next(self.opened)}")
         self.live[t] = []
+
+    @rule()
+    def restart_from_a_snapshot(self) -> None:
+        """A restarted daemon restores every charge (payer, co-holders) from its snapshot."""
+        restored = snapshots.load(snapshots.dump(self.m))
+        assert state_of(restored) == state_of(self.m)
+        self.m = restored
 
     @invariant()
     def each_tenant_pays_for_what_it_holds(self) -> None:
