@@ -15,9 +15,12 @@ so a block-size or layout mismatch refuses to start). Per request:
 3. ``build_connector_meta`` (every step): the saves of prompt blocks this step completes, and
    one Step RPC for the bookkeeping. Once the workers *reported* every full prompt block saved
    (``update_connector_output``, a step later), Commit (they join blockd's index when that
-   Step's fence completes) and Release (deferred by the same fence, which the worker publishes
-   after the step's copies). A request that finishes first, or whose save failed, is released
-   without a commit: only bytes a worker reported written are ever hittable.
+   Step's fence completes). Generated tokens go the same way (``blockd_vllm.plan``): in the
+   step that computes the K/V of a block's last token, the Step appends the block's tokens to
+   the sequence and the step saves it; when the request ends, one more Commit publishes them,
+   then Release (deferred by the same fence, which the worker publishes after the step's
+   copies). A request that finishes before its prompt is saved, or whose save failed, is
+   released without a (further) commit: only bytes a worker reported written are ever hittable.
 
 Faults never change a token and never fail a request: when blockd is unreachable the connector
 is *degraded* (every request computes everything; logged once, counted), and it tries again
@@ -30,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -42,6 +45,7 @@ from blockd_vllm.layout import KvShape
 from blockd_vllm.link import Link
 from blockd_vllm.metadata import BlockdMetadata, PoolRef
 from blockd_vllm.namespace import EngineNamespace
+from blockd_vllm.plan import Plan
 from blockd_vllm.settings import Settings
 
 log = logging.getLogger("blockd_vllm")
@@ -54,32 +58,14 @@ PENDING = Pending()
 
 
 @dataclass
-class Plan:
-    """One request's blockd sequence and what is left to copy."""
+class Growth:
+    """Generated tokens of one request to append in this step's Step, then save."""
 
-    seq_id: str
-    epoch: int
-    num_prompt: int
-    hit_tokens: int
-    table: list[int]
-    #: vLLM's block-aligned local hit at the last query.
-    local_tokens: int = 0
-    loads: list[tuple[int, int]] = field(default_factory=list)
-    #: Prompt blocks [0, saved) are in blockd or handed to a step to save.
-    saved: int = 0
-    #: Steps whose saves the workers have not reported yet.
-    pending: set[int] = field(default_factory=set)
-    #: Its loads went out in a step (the pin may go once that step's fence completes).
-    scheduled: bool = False
-    finished: bool = False
-    failed: bool = False
-    #: blockd went away (or changed epoch) under it: loads only, then let go.
-    abandoned: bool = False
-    #: The session its block ids belong to (the worker loads from that session's mapping).
-    session_id: str = ""
-
-    def full_blocks(self, B: int) -> int:
-        return self.num_prompt // B
+    rid: str
+    plan: Plan
+    tokens: list[int]
+    #: The step saves prompt blocks of the request too (then the workers report it anyway).
+    saves: bool
 
 
 def locked(method: Any) -> Any:
@@ -208,12 +194,12 @@ class SchedulerSide:
         if plan is None:
             if not self.eligible(request):
                 return 0
-            plan = self._admit(request)
-            if plan is PENDING:
+            admitted = self._admit(request)
+            if admitted is PENDING:
                 return None
-            if plan is None:
+            if not isinstance(admitted, Plan):
                 return 0
-            self.plans[rid] = plan
+            plan = self.plans[rid] = admitted
         plan.local_tokens = num_computed
         return max(0, plan.hit_tokens - num_computed)
 
@@ -245,7 +231,9 @@ class SchedulerSide:
         self.counters["hit_tokens"] += a.num_cached_tokens
         return Plan(a.sequence_id, self.session.epoch, len(tokens), a.num_cached_tokens,
                     list(a.block_table), saved=a.num_cached_tokens // self.B,
-                    session_id=self.session.session_id)
+                    committed=a.num_cached_tokens // self.B,
+                    session_id=self.session.session_id,
+                    request=request if self.settings.save_generated else None)
 
     def _may_wait(self, rid: str) -> bool:
         """Whether request ``rid`` may still wait for a remote fetch (``remote_wait_s`` from
@@ -272,6 +260,7 @@ class SchedulerSide:
         # Nothing past the hit is saved: num_prompt is the admitted length.
         return Plan(a.sequence_id, self.session.epoch, a.num_cached_tokens, a.num_cached_tokens,
                     list(a.block_table), saved=a.num_cached_tokens // self.B,
+                    committed=a.num_cached_tokens // self.B,
                     session_id=self.session.session_id)
 
     @locked
@@ -294,15 +283,21 @@ class SchedulerSide:
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        grow: list[Growth] = []
         for rid, n in so.num_scheduled_tokens.items():
             plan = self.plans.get(rid)
             if plan is None:
                 continue
-            self._plan_copies(meta, rid, plan, computed.get(rid, 0) + n)
+            self._plan_copies(meta, rid, plan, computed.get(rid, 0) + n, grow)
             self.dirty.add(rid)
         ops, releases = self._resolution_ops()
-        if ops:
-            self._send(ops, releases)
+        appends = [rq.append_batch([g.plan.seq_id for g in grow],
+                                   [t for g in grow for t in g.tokens],
+                                   [len(g.tokens) for g in grow])] if grow else []
+        if appends or ops:
+            outcome = self._send(appends + ops, releases)
+            if grow:
+                self._grown(meta, grow, outcome)
         if self.degraded:
             # Saving into blocks blockd may have lost is pointless (and never committed);
             # loads of blocks the worker maps stay safe (its mapping holds the bytes).
@@ -329,31 +324,68 @@ class SchedulerSide:
         self.to_release = []
         return ops, releases
 
-    def _send(self, ops: list[pb.Operation], releases: list[str]) -> None:
+    def _send(self, ops: list[pb.Operation], releases: list[str]) -> Any:
         epochs = self.counters["epoch_changes"]
-        if self._step(ops) is None and self.counters["epoch_changes"] == epochs:
+        outcome = self._step(ops)
+        if outcome is None and self.counters["epoch_changes"] == epochs:
             self.to_release.extend(releases)  # not applied: again once blockd answers
+        return outcome
 
-    def _plan_copies(self, meta: BlockdMetadata, rid: str, plan: Plan, end: int) -> None:
-        """This step's loads of ``plan`` and the saves of the prompt blocks it completes
-        (``end``: the tokens computed once this step ran)."""
+    def _plan_copies(self, meta: BlockdMetadata, rid: str, plan: Plan, end: int,
+                     grow: list[Growth]) -> None:
+        """This step's loads of ``plan``, the saves of the prompt blocks it completes (``end``:
+        the tokens computed once this step ran) and, in ``grow``, the generated tokens whose
+        blocks it completes (blockd's blocks for them come with the Step that appends them)."""
         for v, b in plan.loads:
             meta.load_vllm.append(v)
             meta.load_blockd.append(b)
             meta.load_session.append(plan.session_id)
         plan.loads = []
         plan.scheduled = True
-        upto = min(end, plan.num_prompt) // self.B
-        if (upto > plan.saved and self.block_ids_of is not None and not self.degraded
-                and not plan.abandoned):
-            vblocks = self.block_ids_of(rid)[0]
-            for j in range(plan.saved, upto):
-                meta.save_vllm.append(vblocks[j])
-                meta.save_blockd.append(plan.table[j])
-            self.counters["save_blocks"] += upto - plan.saved
-            plan.saved = upto
-            plan.pending.add(meta.step)
-            self.saving.setdefault(meta.step, set()).add(rid)
+        if self.block_ids_of is None or self.degraded or plan.abandoned:
+            return
+        blocks = plan.prompt_saves(end, self.B)
+        if blocks:
+            self._save_blocks(meta, rid, plan, blocks)
+            plan.saved = blocks.stop
+        tokens = plan.generated(end, self.B)
+        if tokens:
+            grow.append(Growth(rid, plan, tokens, saves=bool(blocks)))
+            self._pending(meta, rid, plan)
+
+    def _save_blocks(self, meta: BlockdMetadata, rid: str, plan: Plan, blocks: range) -> None:
+        vblocks = self.block_ids_of(rid)[0]
+        for j in blocks:
+            meta.save_vllm.append(vblocks[j])
+            meta.save_blockd.append(plan.table[j])
+        self.counters["save_blocks"] += len(blocks)
+        self._pending(meta, rid, plan)
+
+    def _pending(self, meta: BlockdMetadata, rid: str, plan: Plan) -> None:
+        plan.pending.add(meta.step)
+        self.saving.setdefault(meta.step, set()).add(rid)
+
+    def _grown(self, meta: BlockdMetadata, grow: list[Growth], outcome: Any) -> None:
+        """The appends of generated tokens answered: save the blocks they completed. An
+        append blockd refused (or a Step that did not apply) ends that request's growth."""
+        ok = outcome is not None and not outcome.results[0].status.code
+        res = outcome.results[0].append_batch if ok else pb.AppendBatchResult()
+        errors = {e.index for e in res.errors}
+        deltas = {d.index: d.delta for d in res.deltas}
+        for i, g in enumerate(grow):
+            plan = g.plan
+            if not ok or i in errors or plan.abandoned:
+                self.counters["generated_refused"] += 1
+                plan.request = None  # its sequence holds what it held; nothing more grows
+                if not g.saves:  # the step saves nothing of it: no report will come
+                    plan.pending.discard(meta.step)
+                    self.saving.get(meta.step, set()).discard(g.rid)
+                continue
+            d = deltas.get(i)
+            blocks = plan.grew(len(g.tokens), d.start_index if d is not None else None,
+                               list(d.block_ids) if d is not None else [], self.B)
+            self._save_blocks(meta, g.rid, plan, blocks)
+            self.counters["generated_blocks"] += len(blocks)
 
     def _resolve(self, plan: Plan, ops: list[pb.Operation]) -> bool:
         """Commit and/or release ``plan`` when it is done; True when it is."""
@@ -363,22 +395,14 @@ class SchedulerSide:
             if plan.epoch == self.session.epoch:
                 ops.append(rq.release(plan.seq_id))
             return True
-        if plan.failed:
+        commit, done = plan.decide(self.B)
+        if commit:
+            ops.append(rq.commit(plan.seq_id))
+            self.counters["committed_blocks"] += plan.saved - plan.committed
+            plan.committed = plan.saved
+        if done:
             ops.append(rq.release(plan.seq_id))
-            return True
-        if plan.pending or not (plan.scheduled or plan.finished):
-            return False
-        full = plan.full_blocks(self.B)
-        if plan.saved >= full:
-            if full > plan.hit_tokens // self.B:
-                ops.append(rq.commit(plan.seq_id))
-                self.counters["committed_blocks"] += full - plan.hit_tokens // self.B
-            ops.append(rq.release(plan.seq_id))
-            return True
-        if plan.finished:
-            ops.append(rq.release(plan.seq_id))
-            return True
-        return False
+        return done
 
     @locked
     def saves_reported(self, report: Any) -> None:

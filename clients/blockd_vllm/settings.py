@@ -15,7 +15,7 @@ from typing import Any
 
 KNOWN_KEYS = frozenset({
     "target", "tenant", "token_file", "model_revision", "connect_timeout_s", "rpc_timeout_s",
-    "retry_interval_s", "lease_ms", "worker_name", "remote_wait_s",
+    "retry_interval_s", "lease_ms", "worker_name", "remote_wait_s", "save_generated",
 })
 
 
@@ -44,6 +44,10 @@ class Settings:
     #: fetches its prefix from the cluster; then it goes ahead with what arrived (0: never
     #: wait, admit the local hit at once).
     remote_wait_s: float = 1.0
+    #: Save and commit the full blocks of generated tokens too (prompt + answer, as vLLM's
+    #: own prefix cache hashes them), so the next turn of a conversation hits the previous
+    #: answer; false: prompt blocks only.
+    save_generated: bool = True
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Settings:
@@ -73,6 +77,10 @@ class Settings:
         if revision is not None and (not isinstance(revision, str) or not revision):
             raise ValueError(f"kv_connector_extra_config.model_revision: a non-empty string "
                              f"(got {revision!r})")
+        save_generated = extra.get("save_generated", True)
+        if not isinstance(save_generated, bool):
+            raise ValueError(f"kv_connector_extra_config.save_generated: true or false (got "
+                             f"{save_generated!r})")
         return cls(target=target, tenant=tenant, token_file=token_file,
                    model_revision=revision,
                    connect_timeout_s=_positive(extra, "connect_timeout_s", 30.0),
@@ -80,7 +88,8 @@ class Settings:
                    retry_interval_s=_positive(extra, "retry_interval_s", 1.0),
                    lease_ms=int(_positive(extra, "lease_ms", 0, allow_zero=True)),
                    remote_wait_s=_positive(extra, "remote_wait_s", 1.0, allow_zero=True),
-                   worker_name=str(extra.get("worker_name", "vllm")))
+                   worker_name=str(extra.get("worker_name", "vllm")),
+                   save_generated=save_generated)
 
 
 def _check_target(target: str) -> None:
