@@ -43,6 +43,8 @@ def _worker(index: int, args: dict[str, Any], out: Any) -> None:
         _work(index, args, out)
     except grpc.RpcError as err:
         out.put(("failed", index, f"{err.code().name}: {err.details()}"))
+    except Exception as exc:  # reported, not a traceback on the parent's terminal
+        out.put(("failed", index, f"{type(exc).__name__}: {exc}"))
 
 
 def _work(index: int, args: dict[str, Any], out: Any) -> None:
@@ -232,10 +234,11 @@ def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration:
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    failed: dict[int, str] = {}
     t0 = time.monotonic()
     limit = duration + 300
     shown = Progress(workers, progress, progress_stream)
-    while len(results) < workers and time.monotonic() - t0 < limit:
+    while len(results) + len(failed) < workers and time.monotonic() - t0 < limit:
         shown.tick()
         try:
             kind, index, payload = out.get(timeout=min(1.0, progress or 1.0))
@@ -246,10 +249,15 @@ def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration:
         shown.note(kind, index, payload)
         if kind == "done":
             results[index] = payload
-    for p in procs:
+        elif kind == "failed":
+            failed[index] = payload
+    for i, p in enumerate(procs):
         p.join(10)
         if p.is_alive():
             p.terminate()
+        if i not in results and i not in failed:  # died without a word, or ran out of time
+            failed[i] = (f"exited with code {p.exitcode} before reporting"
+                         if p.exitcode is not None else "did not finish in time (terminated)")
     lat = sorted(x for r in results.values() for x in r["latencies"])
     errors: dict[str, int] = {}
     for r in results.values():
@@ -271,7 +279,19 @@ def run(target: str, token: str, tenant: str, workers: int, seqs: int, duration:
         "step_p50_ms": statistics.median(lat) * 1e3 if lat else None,
         "step_p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3 if lat else None,
         "errors_by_code": errors, "preempted": preempted, "admission_waits": waits,
+        "workers_failed": {str(i): why for i, why in sorted(failed.items())},
     }
+
+
+def _failures(failed: dict[str, str]) -> str:
+    """``; N workers failed: REASON (xK), ...``: each distinct reason once, with its count."""
+    if not failed:
+        return ""
+    counts: dict[str, int] = {}
+    for why in failed.values():
+        counts[why] = counts.get(why, 0) + 1
+    reasons = ", ".join(why if n == 1 else f"{why} (x{n})" for why, n in counts.items())
+    return f"; {len(failed)} workers failed: {reasons}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
               f"Step p50 {ms(res['step_p50_ms'])}, p99 {ms(res['step_p99_ms'])}; "
               f"preempted {res['preempted']}, admission waits {res['admission_waits']}; "
               f"errors {res['errors_by_code'] or 'none'}"
+              + _failures(res["workers_failed"])
               + (f"; invariant checks {res['invariant_checks']}, violations "
                  f"{res['invariant_violations']}" if "invariant_checks" in res else ""))
     ok = (res["workers_finished"] == res["workers"] and not res["errors_by_code"]
+          and not res["workers_failed"]
           and not res.get("invariant_violations"))
     return 0 if ok else 1

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 from daemon_proc import TOKENS, md, start
 
@@ -67,3 +68,41 @@ def test_load_says_so_in_one_line_without_a_daemon(tmp_path) -> None:  # type: i
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith(f"blockd load: no blockd is answering at {target} (")
     assert len(out.stderr.splitlines()) == 1
+
+
+def test_load_reports_workers_that_died(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # #28 finding 10: a worker whose daemon went away was left out of the summary, which then
+    # said "0 steps/s ... errors none" (and the exit status did not say it either).
+    d = start(tmp_path / "dies", num_blocks=160)
+    layout = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
+              "dtype": pb.KV_DTYPE_FLOAT16, "kv_order": pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM,
+              "tp_size": 1}
+    base = [sys.executable, "-m", "blockd_apps", "load", "--target",
+            f"unix:{d.endpoints['unix']}", "--token", TOKENS["carol"], "--layout",
+            json.dumps(layout), "--progress", "0", "--seqs", "4"]
+    try:
+        # A tenant the token may not use: every worker's Attach is refused.
+        out = subprocess.run(base + ["--tenant", "acme", "--workers", "2", "--duration", "2"],
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 1
+        summary = out.stdout.strip()
+        assert summary.startswith("0/2 workers"), summary
+        assert "2 workers failed: PERMISSION_DENIED" in summary and "(x2)" in summary, summary
+        # The daemon killed under a running load: its workers are reported failed.
+        proc = subprocess.Popen(base + ["--tenant", "initech", "--workers", "2", "--duration",
+                                        "30", "--json"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = d.stub("unix").Stats(pb.StatsRequest(), metadata=md("admin"))
+            if stats.num_sessions == 2 and stats.num_sequences > 0:
+                break
+            time.sleep(0.1)
+        d.proc.kill()
+        stdout, stderr = proc.communicate(timeout=120)
+        res = json.loads(stdout)
+        assert proc.returncode == 1, stderr
+        assert res["workers_finished"] == 0 and len(res["workers_failed"]) == 2, res
+        assert all(why.startswith("UNAVAILABLE") for why in res["workers_failed"].values()), res
+    finally:
+        d.stop()
