@@ -115,10 +115,15 @@ def cmd_tenants(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: A
         return json.dumps([MessageToDict(t, preserving_proto_field_name=True,
                                          always_print_fields_with_no_presence=True)
                            for t in s.tenants], indent=1)
-    rows = [(t.tenant_id, t.used_blocks, t.cached_blocks, t.quota_blocks, t.guaranteed_blocks,
-             f"{t.used_blocks / t.quota_blocks:.0%}" if t.quota_blocks else "-")
+    # used_blocks counts the tenant's cached blocks too (evictable: an admit of its own evicts
+    # them first), so "held of quota" leaves them out: a tenant whose blocks are all cached is
+    # at 0%, not 100%.
+    rows = [(t.tenant_id, t.used_blocks - t.cached_blocks, t.cached_blocks, t.quota_blocks,
+             t.guaranteed_blocks,
+             f"{(t.used_blocks - t.cached_blocks) / t.quota_blocks:.0%}" if t.quota_blocks
+             else "-")
             for t in s.tenants]
-    return _table(rows, ("tenant", "used", "cached", "quota", "guaranteed", "of quota"))
+    return _table(rows, ("tenant", "held", "cached", "quota", "guaranteed", "held of quota"))
 
 
 def cmd_inspect(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any) -> str:

@@ -13,6 +13,7 @@ from daemon_proc import TOKENS, Worker, append, commit
 
 import blockd
 from blockd import config
+from blockd.api.v1 import blockd_pb2 as pb
 from blockd_apps.launch import spawn
 
 
@@ -51,6 +52,15 @@ def test_stats_tenants_inspect_watch_flush(daemon) -> None:  # type: ignore[no-u
 
     events = ctl(daemon, "--json", "watch", "--since", "1", "--limit", "1").stdout
     assert json.loads(events.splitlines()[0])["sequence_number"] == "1"
+
+    # "held of quota" leaves the evictable cached blocks out (#28 finding 10): once the
+    # sequence is released, initech holds nothing and its committed block is only cached.
+    w.step(pb.Operation(release=pb.ReleaseOp(sequence_id=a.sequence_id)))
+    w.step(completed=w.fence)
+    lines = ctl(daemon, "tenants").stdout.splitlines()
+    assert lines[0].split()[:3] == ["tenant", "held", "cached"] and "held of quota" in lines[0]
+    row = next(line.split() for line in lines if line.split()[:1] == ["initech"])
+    assert row[1] == "0" and int(row[2]) >= 1 and row[-1] == "0%", lines
 
     out = ctl(daemon, "flush", "--tenant", "initech").stdout
     assert out.startswith("flushed ") and out.strip().endswith("of tenant initech")
