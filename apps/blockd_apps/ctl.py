@@ -37,6 +37,7 @@ import blockd
 from blockd import config, options
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
+from blockd.runtime.kv_events import block_hash
 
 #: Exit statuses (the module docstring).
 REFUSED, UNREACHABLE = 1, 2
@@ -147,18 +148,34 @@ def cmd_inspect(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: A
                                 "refs"))
 
 
+def _event_dict(ev: pb.WatchEventsResponse, kind: str, hashes: list[int]) -> dict[str, Any]:
+    """The event as JSON with its block hashes in the one printed form (#28 finding 10): the
+    unsigned 64-bit integers the ZMQ stream sends (``blockd.runtime.kv_events.block_hash``),
+    where the proto's JSON mapping would print base64 of the full keys; those stay, as hex,
+    under ``block_keys``."""
+    d = MessageToDict(ev, preserving_proto_field_name=True)
+    body = getattr(ev, kind)
+    if hashes:
+        d[kind]["block_hashes"] = hashes
+        d[kind]["block_keys"] = [h.hex() for h in body.block_hashes]
+    parent = getattr(body, "parent_block_hash", b"")
+    if parent:
+        d[kind]["parent_block_hash"] = block_hash(parent)
+    return d
+
+
 def cmd_watch(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace, md: Any) -> str:
     stream = stub.WatchEvents(pb.WatchEventsRequest(since_sequence=args.since), metadata=md)
     try:
         for i, ev in enumerate(stream):
             kind = ev.WhichOneof("event")
+            body = getattr(ev, kind)
+            hashes = [block_hash(h) for h in getattr(body, "block_hashes", [])]
             if args.json:
-                print(json.dumps(MessageToDict(ev, preserving_proto_field_name=True)),
-                      flush=True)
+                print(json.dumps(_event_dict(ev, kind, hashes)), flush=True)
             else:
-                body = getattr(ev, kind)
-                hashes = ",".join(h.hex()[:12] for h in getattr(body, "block_hashes", []))
-                print(f"{ev.sequence_number:>8} {kind:<18} {hashes}", flush=True)
+                print(f"{ev.sequence_number:>8} {kind:<18} {','.join(map(str, hashes))}",
+                      flush=True)
             if args.limit and i + 1 >= args.limit:
                 break
     finally:

@@ -51,7 +51,15 @@ def test_stats_tenants_inspect_watch_flush(daemon) -> None:  # type: ignore[no-u
     assert len(js["positions"]) == 7
 
     events = ctl(daemon, "--json", "watch", "--since", "1", "--limit", "1").stdout
-    assert json.loads(events.splitlines()[0])["sequence_number"] == "1"
+    first = json.loads(events.splitlines()[0])
+    assert first["sequence_number"] == "1"
+    # One printed form of a block hash (#28 finding 10): text and --json print the unsigned
+    # 64-bit integer the ZMQ stream sends (the key's first 8 bytes, big-endian).
+    stored = first["block_stored"]
+    key = bytes.fromhex(stored["block_keys"][0])
+    assert stored["block_hashes"] == [int.from_bytes(key[:8], "big")]
+    text = ctl(daemon, "watch", "--since", "1", "--limit", "1").stdout.split()
+    assert text[:3] == ["1", "block_stored", str(stored["block_hashes"][0])]
 
     # "held of quota" leaves the evictable cached blocks out (#28 finding 10): once the
     # sequence is released, initech holds nothing and its committed block is only cached.
