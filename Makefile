@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) bench/fairness.py
 	$(PY) bench/isolation.py
 	$(PY) bench/vllm_connector.py
+	VLLM_CPU_NUM_OF_RESERVED_CPU=1 $(PY) bench/vllm_multiturn.py
 
 proto: $(STAMP)
 	$(PY) tools/gen_proto.py
