@@ -9,7 +9,8 @@ command line on stdin, heartbeating while it waits (a live worker):
   completed (the prefill ran).
 * ``{"op": "write", "seq": id, "marker": hex}``: fill every byte of the sequence's blocks with
   the marker, as its kernels would write K/V.
-* ``{"op": "commit", "seq": id}``: commit its full blocks; the fence is completed.
+* ``{"op": "commit", "seq": id}``: commit its full blocks; the fence is completed and
+  reported (a heartbeat) before the reply.
 * ``{"op": "release", "seq": id, "report": bool}``: release it; with ``report`` false the
   release's fence is never reported (a worker that stops reporting, still heartbeating).
 * ``{"op": "read", "blocks": [...], "marker": hex}``: ``{"marked": n}``, the blocks whose
@@ -87,6 +88,10 @@ def main() -> None:
             out = session.step([rq.commit(cmd["seq"])])
             reply = {"code": out.results[0].status.code}
             session.complete(out.fence)
+            # Reported before the reply, so the committed blocks are in the index when the
+            # test's next command (another member's admit) runs: otherwise the completion
+            # rode on the next heartbeat and such a hit depended on timing.
+            session.heartbeat()
         elif op == "release":
             out = session.step([rq.release(cmd["seq"])])
             reply = {"code": out.results[0].status.code}
