@@ -32,6 +32,7 @@ from blockd.options import check_address as _check_address
 from blockd.paths import default_handle_socket, default_unix_socket, runtime_dir  # noqa: F401 (re-exported)
 from blockd.runtime.budgets import PARSE_BYTES_PER_UNIT
 from blockd.tiers_config import TiersConfig
+from blockd.tracing_config import TracingConfig
 
 ENV_PREFIX = "BLOCKD_"
 #: ``BLOCKD_*`` variables that are not the daemon's configuration but blockctl's and
@@ -311,6 +312,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     handles: HandlesConfig = field(default_factory=HandlesConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         self.tiers.check_pool(self.pool.spec().slot_bytes)

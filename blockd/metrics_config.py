@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockd import tls_files
 from blockd.core.errors import InvalidArgument
 from blockd.options import check_address, option
 
@@ -36,7 +37,8 @@ class MetricsConfig:
     bearer_token_file: str = option(
         "", "File holding the token that /metrics and / require (\"Authorization: Bearer "
             "<token>\", Prometheus' authorization.credentials_file; 401 otherwise); /healthz "
-            "stays open for probes. Read at start. \"\": no token.")
+            "stays open for probes. Read at start and on SIGHUP (a file that no longer reads "
+            "keeps the previous token, logged). \"\": no token.")
     tls_cert: str = option("", "PEM certificate (chain) of the metrics listener: HTTPS "
                                "(\"\": plain HTTP).")
     tls_key: str = option("", "PEM private key of metrics.tls_cert.")
@@ -51,11 +53,11 @@ class MetricsConfig:
         if not self.cache_ms >= 0:
             raise InvalidArgument(f"metrics.cache_ms: must be >= 0 (0: no cache), got "
                                   f"{self.cache_ms}", field="metrics.cache_ms")
-        for name, needs in (("tls_key", "tls_cert"), ("tls_cert", "tls_key"),
-                            ("tls_client_ca", "tls_cert")):
-            if getattr(self, name) and not getattr(self, needs):
-                raise InvalidArgument(f"metrics.{needs}: needed with metrics.{name}",
-                                      field=f"metrics.{needs}")
+        pair = tls_files.missing(self)
+        if pair:
+            name, needs = pair
+            raise InvalidArgument(f"metrics.{needs}: needed with metrics.{name}",
+                                  field=f"metrics.{needs}")
 
     @property
     def authenticated(self) -> bool:

@@ -60,6 +60,11 @@ class TiersConfig:
     remote_queue_blocks: int = option(
         1024, "Blocks waiting to be written to the remote tier at most; beyond, a committed "
               "prefix is not published (counted): a Step never waits for the cluster.")
+    remote_fetches_per_tenant: int = option(
+        64, "Fetches one tenant may have waiting for the cluster; beyond, that tenant's local "
+            "miss is not fetched (computed, counted as blockd_remote_dropped_total"
+            "{reason=\"fetch_budget\"}). Tenants' fetches are served in turn, so one tenant's "
+            "flood of misses never delays another's by more than one fetch.")
     remote_ttl_s: int = option(
         0, "Expiry of the values the remote tier writes, seconds (0: none; the cluster's "
            "maxmemory-policy evicts).")
@@ -71,7 +76,8 @@ class TiersConfig:
             if not value >= 0:
                 raise InvalidArgument(f"tiers.{name}: must not be negative, got {value}",
                                       field=f"tiers.{name}")
-        for name in ("remote_timeout_ms", "remote_retry_ms", "remote_queue_blocks"):
+        for name in ("remote_timeout_ms", "remote_retry_ms", "remote_queue_blocks",
+                     "remote_fetches_per_tenant"):
             if getattr(self, name) <= 0:
                 raise InvalidArgument(f"tiers.{name}: must be positive, got "
                                       f"{getattr(self, name)}", field=f"tiers.{name}")

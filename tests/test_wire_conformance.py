@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from blockd import config, wire
+from blockd import config, handle_wire, wire
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.core.errors import InvalidArgument
 from blockd.core.spec import PoolSpec
@@ -188,10 +188,10 @@ def cuda_header(**over: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("make", [host_header, cuda_header])
 def test_header_round_trips_through_json_and_the_clients_parser(make: Callable[..., Any]
                                                                 ) -> None:
-    header = wire.HandleHeader.from_json(make())
+    header = handle_wire.HandleHeader.from_json(make())
     line = header.to_json()
     assert line.endswith(b"\n") and json.loads(line)["ok"] is True
-    assert wire.HandleHeader.from_json(line) == header == wire.decode_answer(line)
+    assert handle_wire.HandleHeader.from_json(line) == header == handle_wire.decode_answer(line)
     fds = [os.memfd_create("t", os.MFD_CLOEXEC) for _ in range(header.num_fds)]
     try:
         parsed, got = parse_answer(line, fds)
@@ -203,7 +203,7 @@ def test_header_round_trips_through_json_and_the_clients_parser(make: Callable[.
         for fd in fds:
             os.close(fd)
     # A key the reader does not know is ignored (a newer daemon may add one).
-    assert wire.HandleHeader.from_json({**make(), "future_key": 1}) == header
+    assert handle_wire.HandleHeader.from_json({**make(), "future_key": 1}) == header
 
 
 def _required(make: Callable[..., Any]) -> list[str]:
@@ -216,7 +216,7 @@ def test_header_missing_key_is_refused_naming_it(make: Callable[..., Any]) -> No
     for key in _required(make):
         broken = {k: v for k, v in make().items() if k != key}
         with pytest.raises(wire.WireError, match=f"^{key}: missing") as info:
-            wire.HandleHeader.from_json(broken)
+            handle_wire.HandleHeader.from_json(broken)
         assert info.value.field == key
 
 
@@ -230,7 +230,7 @@ ILL_TYPED = [("epoch", "4"), ("epoch", True), ("backend", 1), ("backend", "tpu")
 @pytest.mark.parametrize(("key", "value"), ILL_TYPED)
 def test_host_header_ill_typed_key_is_refused_naming_it(key: str, value: Any) -> None:
     with pytest.raises(wire.WireError, match=f"^{key}: ") as info:
-        wire.HandleHeader.from_json(host_header(**{key: value}))
+        handle_wire.HandleHeader.from_json(host_header(**{key: value}))
     assert info.value.field == key
 
 
@@ -240,27 +240,33 @@ def test_host_header_ill_typed_key_is_refused_naming_it(key: str, value: Any) ->
     ("device_uuids", [1, 2])])
 def test_cuda_header_ill_typed_key_is_refused_naming_it(key: str, value: Any) -> None:
     with pytest.raises(wire.WireError, match=f"^{key}: "):
-        wire.HandleHeader.from_json(cuda_header(**{key: value}))
+        handle_wire.HandleHeader.from_json(cuda_header(**{key: value}))
 
 
 def test_host_header_with_cuda_keys_and_bad_answers_are_refused() -> None:
     with pytest.raises(wire.WireError, match="^devices: only a cuda header"):
-        wire.HandleHeader.from_json(host_header(devices=[0]))
+        handle_wire.HandleHeader.from_json(host_header(devices=[0]))
     with pytest.raises(wire.WireError, match="^header: not JSON"):
-        wire.decode_answer(b"{nope")
-    with pytest.raises(wire.HandleRefused, match="NOT_FOUND: gone") as info:
-        wire.decode_answer(wire.encode_refusal("NOT_FOUND", "gone"))
+        handle_wire.decode_answer(b"{nope")
+    with pytest.raises(handle_wire.HandleRefused, match="NOT_FOUND: gone") as info:
+        handle_wire.decode_answer(handle_wire.encode_refusal("NOT_FOUND", "gone"))
     assert isinstance(info.value, ConnectionError) and info.value.code == "NOT_FOUND"
-    assert wire.decode_request(wire.encode_request("s-1")) == "s-1"
+    assert handle_wire.decode_request(handle_wire.encode_request("s-1", "f")) == "s-1"
+    req = handle_wire.decode_handle_request(handle_wire.encode_request("s-1", "f" * 64, "acme"))
+    assert req == handle_wire.HandleRequest("s-1", "f" * 64, "acme")
+    assert "f" * 64 not in repr(req)  # a logged request never shows the secret
+    assert handle_wire.decode_handle_request(b'{"session_id": "s-1"}').fetch_secret == ""
+    with pytest.raises(wire.WireError, match="^fetch_secret"):
+        handle_wire.decode_handle_request(b'{"session_id": "s-1", "fetch_secret": 7}')
     for bad in (b"", b"{}", b'{"session_id": 3}', b"[1]"):
         with pytest.raises(wire.WireError, match="^session_id"):
-            wire.decode_request(bad)
+            handle_wire.decode_request(bad)
 
 
 def test_header_split_fds_documents_the_order() -> None:
-    host = wire.HandleHeader.from_json(host_header())
+    host = handle_wire.HandleHeader.from_json(host_header())
     assert host.split_fds([10, 11]) == ([10], 11)
-    cuda = wire.HandleHeader.from_json(cuda_header())
+    cuda = handle_wire.HandleHeader.from_json(cuda_header())
     assert cuda.split_fds([10, 11, 12]) == ([10, 11], 12)
     with pytest.raises(wire.WireError, match=r"^fds: expected 3 descriptors \(2 shard fds"):
         cuda.split_fds([10, 11])

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from blockd import wire
+from blockd import handle_wire, wire
 from blockd.core.spec import PoolSpec
 
 __all__ = ["Planes", "Pool", "header_for"]
@@ -62,9 +62,9 @@ class Pool(Protocol):
 
     def unregister_host(self, region: memoryview) -> None: ...
 
-    def handle(self, epoch: int, fence_fd: int) -> tuple[wire.HandleHeader, list[int]]:
+    def handle(self, epoch: int, fence_fd: int) -> tuple[handle_wire.HandleHeader, list[int]]:
         """What the handle socket sends a session: its header and descriptors, in the order
-        ``wire.HandleHeader.split_fds`` documents (the fds stay owned by the pool and the
+        ``handle_wire.HandleHeader.split_fds`` documents (the fds stay owned by the pool and the
         fence page)."""
         ...
 
@@ -130,9 +130,9 @@ class Planes:
 
 def header_for(spec: PoolSpec, *, epoch: int, backend: str, pool_bytes: int,
                devices: tuple[int, ...] = (), shard_bytes: int = 0, granularity: int = 0,
-               device_uuids: tuple[str, ...] = ()) -> wire.HandleHeader:
+               device_uuids: tuple[str, ...] = ()) -> handle_wire.HandleHeader:
     """The handle header of a pool of ``spec`` (the cuda fields only for the cuda backend)."""
-    return wire.HandleHeader(
+    return handle_wire.HandleHeader(
         epoch=epoch, backend=backend, pool_bytes=pool_bytes, num_blocks=spec.num_blocks,
         block_size=spec.block_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim, dtype=spec.dtype, tp_size=spec.tp_size,

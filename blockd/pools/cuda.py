@@ -37,7 +37,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from blockd import cudadrv, wire
+from blockd import cudadrv, handle_wire
 from blockd.core.errors import FailedPrecondition, Internal, InvalidArgument, ResourceExhausted
 from blockd.core.spec import PoolSpec
 from blockd.pools.base import Planes, header_for
@@ -400,7 +400,7 @@ class CudaPool:
 
     # -- what workers receive -------------------------------------------------------------------
 
-    def handle(self, epoch: int, fence_fd: int) -> tuple[wire.HandleHeader, list[int]]:
+    def handle(self, epoch: int, fence_fd: int) -> tuple[handle_wire.HandleHeader, list[int]]:
         """The header and ``[shard fds in device order..., fence page fd]`` a worker receives.
 
         ``devices`` are this daemon's ordinals; ``device_uuids`` identify the same GPUs in a

@@ -1,11 +1,12 @@
 """Fence pages: one small shared-memory page per session, where the worker publishes progress.
 
 The worker writes the highest fence whose GPU work is done into its page (the format is
-``blockd.wire``'s: ``FENCE_PAGE_BYTES``, a little-endian uint64 at offset 0); the daemon polls
-it (no RPC per step needed) and retires PENDING blocks. Each session gets its own memfd, so a
-worker can only ever advance its own fences: a shared page for all sessions would let one worker
-release another's blocks early. With crash recovery on, the page is a file in the daemon's
-private state directory instead, so a restarted daemon reads the page its workers still write.
+``blockd.wire``'s: ``FENCE_PAGE_BYTES``, a little-endian uint64 per tensor-parallel shard of
+the pool, at offset ``8 * rank``; the fence is their minimum); the daemon polls it (no RPC per
+step needed) and retires PENDING blocks. Each session gets its own memfd, so a worker can only
+ever advance its own fences: a shared page for all sessions would let one worker release
+another's blocks early. With crash recovery on, the page is a file in the daemon's private
+state directory instead, so a restarted daemon reads the page its workers still write.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import mmap
 import os
 
-from blockd.wire import FENCE_PAGE_BYTES, read_fence
+from blockd.wire import FENCE_PAGE_BYTES, read_fences
 
 
 class FencePage:
@@ -38,9 +39,10 @@ class FencePage:
             os.close(self.fd)
             raise
 
-    def read(self) -> int:
-        """The fence the worker last published (0 before it published anything)."""
-        return read_fence(self.map)
+    def read(self, slots: int = 1) -> int:
+        """The fence the session's workers last published (0 before they published anything):
+        the lowest of the first ``slots`` slots, one per tensor-parallel shard."""
+        return read_fences(self.map, slots)
 
     def close(self, unlink: bool = False) -> None:
         """Unmap; ``unlink`` also removes a file-backed page (its session has ended)."""

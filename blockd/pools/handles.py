@@ -1,8 +1,10 @@
 """Hands a session's file descriptors to its worker over a Unix socket (SCM_RIGHTS).
 
 The protocol (request and answer lines, their size limits, the fd order) is
-``blockd.wire``'s; the worker's side is ``blockd_client.handles.fetch_handles``. The session id
-is the capability: it is unguessable and only the worker that attached knows it.
+``blockd.wire``'s; the worker's side is ``blockd_client.handles.fetch_handles``. The
+capability is the session id together with its fetch secret (``blockd.pools.fetch_secrets``),
+which only the AttachResponse carries: a request with the id alone is answered as an unknown
+session would be.
 No file name is ever created that another process could open. The server runs on its own
 threads with blocking sockets (asyncio has no portable SCM_RIGHTS), and only reads daemon state
 through ``lookup``, which returns immutable values.
@@ -12,11 +14,13 @@ own thread, under one deadline for the whole exchange (``timeout``, not per ``re
 every few seconds is cut off too), and at most ``max_connections`` are served at once (more wait
 in the kernel's listen backlog, costing no thread and no fd of ours).
 
-Who asks (docs/security.md, the trust model): the session id alone is not enough. The kernel's
-SO_PEERCRED for the connection must name an allowed uid or gid (``allowed_uids`` /
-``allowed_gids``; by default only the daemon's own uid), checked before a byte is read; a
-request naming a tenant must name the session's; and what is sent is only the pool of the
-session's partition (``lookup``). Any input, however malformed (oversized, nested, binary,
+Who asks (docs/security.md, the trust model), in order: the kernel's SO_PEERCRED for the
+connection must name an allowed uid or gid (``allowed_uids`` / ``allowed_gids``; by default
+only the daemon's own uid), checked before a byte is read; the fetch secret must be the
+session's (NOT_FOUND otherwise, the unknown session's very answer, checked before the session
+is looked up); a request naming a tenant must name the session's; the pool goes to one uid only
+(``_pin``, a second check); and what is sent is only the pool of the session's partition
+(``lookup``). Any input, however malformed (oversized, nested, binary,
 slow), ends its own connection with a refusal or a hang-up, never the server: every error of
 one connection is caught on its thread. ``alive`` is what health reports (NOT_SERVING when the
 accept thread has stopped).
@@ -34,12 +38,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from blockd import logs, wire
+from blockd import handle_wire, logs, wire
+from blockd.pools.fetch_secrets import FetchSecrets
 
 log = logging.getLogger("blockd.handles")
 #: session_id -> (header, [fds], the session's tenant id) or None when the session is unknown
 #: (``Pool.handle`` of the session's partition makes the pair).
-Lookup = Callable[[str], "tuple[wire.HandleHeader, list[int], str] | None"]
+Lookup = Callable[[str], "tuple[handle_wire.HandleHeader, list[int], str] | None"]
 #: Pinned sessions kept before the ended ones are pruned.
 MAX_PINNED = 8192
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -74,12 +79,13 @@ def json_depth(data: bytes) -> int:
 
 
 class HandleServer:
-    def __init__(self, path: str, lookup: Lookup, *, mode: int = 0o660,
+    def __init__(self, path: str, lookup: Lookup, secrets: FetchSecrets, *, mode: int = 0o660,
                  max_connections: int = 16, timeout: float = 2.0,
                  allowed_uids: frozenset[int] | None = None,
                  allowed_gids: frozenset[int] = frozenset()) -> None:
         self.path = str(Path(path).resolve())
         self.lookup = lookup
+        self.secrets = secrets
         self.timeout = timeout
         self.allowed_uids = frozenset({os.geteuid()}) if allowed_uids is None else allowed_uids
         self.allowed_gids = allowed_gids
@@ -144,7 +150,7 @@ class HandleServer:
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
         self.refused[code] = self.refused.get(code, 0) + 1
         log.warning("pool handle request refused", extra=logs.fields(code=code, error=message))
-        conn.sendall(wire.encode_refusal(code, message))
+        conn.sendall(handle_wire.encode_refusal(code, message))
 
     def _handle(self, conn: socket.socket, deadline: float) -> None:
         _pid, uid, gid = peer_credentials(conn)
@@ -153,7 +159,7 @@ class HandleServer:
                          f"peer uid {uid} gid {gid}: not allowed by handles.allowed_uids or "
                          "handles.allowed_gids")
             return
-        limit = wire.MAX_REQUEST_BYTES
+        limit = handle_wire.MAX_REQUEST_BYTES
         data = b""
         while not data.endswith(b"\n") and len(data) < limit:
             left = deadline - time.monotonic()
@@ -168,21 +174,25 @@ class HandleServer:
             self._refuse(conn, "INVALID_ARGUMENT",
                          f"request: longer than {limit} bytes or not one line")
             return
-        if json_depth(data) > wire.MAX_REQUEST_DEPTH:
+        if json_depth(data) > handle_wire.MAX_REQUEST_DEPTH:
             self._refuse(conn, "INVALID_ARGUMENT",
-                         f"request: nested deeper than {wire.MAX_REQUEST_DEPTH}")
+                         f"request: nested deeper than {handle_wire.MAX_REQUEST_DEPTH}")
             return
         try:
-            session_id, tenant_id = wire.decode_handle_request(data)
+            req = handle_wire.decode_handle_request(data)
         except wire.WireError as exc:
             self._refuse(conn, "INVALID_ARGUMENT", str(exc))
             return
-        found = self.lookup(session_id)
+        session_id = req.session_id
+        # A missing or wrong secret and an unknown session: one answer (nothing tells a guesser
+        # which part was wrong), and the session is not even looked up without the secret.
+        found = (self.lookup(session_id) if self.secrets.matches(session_id, req.fetch_secret)
+                 else None)
         if found is None:
             self._refuse(conn, "NOT_FOUND", "session_id: unknown or expired session")
             return
         header, fds, owner = found
-        if tenant_id and tenant_id != owner:
+        if req.tenant_id and req.tenant_id != owner:
             # Same answer text whatever the session's real tenant: it is not revealed.
             self._refuse(conn, "PERMISSION_DENIED", "tenant_id: not the session's tenant")
             return
@@ -200,9 +210,10 @@ class HandleServer:
         socket.send_fds(conn, [header.to_json()], fds)
 
     def _pin(self, session_id: str, uid: int) -> bool:
-        """The first uid a session's pool goes to is the only one it goes to (the client
-        fetches it inside Attach, before it returns the session id to anyone). Pins of
-        sessions that ended are dropped once the table grows."""
+        """The first uid a session's pool goes to is the only one it goes to: a second check
+        behind the fetch secret (a secret that leaked with the id still does not move the pool
+        to another uid after its owner's fetch). Pins of sessions that ended are dropped once
+        the table grows."""
         with self._pin_lock:
             if len(self._pinned) >= MAX_PINNED:
                 self._pinned = {s: u for s, u in self._pinned.items()

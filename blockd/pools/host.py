@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from blockd import wire
+from blockd import handle_wire
 from blockd.core.spec import PoolSpec
 from blockd.pools import region
 from blockd.pools.base import Planes, header_for
@@ -102,7 +102,7 @@ class HostPool:
         """(offset, length) of each contiguous run of ``block``'s bytes."""
         return self.planes.block_runs(block)
 
-    def handle(self, epoch: int, fence_fd: int) -> tuple[wire.HandleHeader, list[int]]:
+    def handle(self, epoch: int, fence_fd: int) -> tuple[handle_wire.HandleHeader, list[int]]:
         """The header and ``[pool fd, fence page fd]`` a session's worker receives."""
         header = header_for(self.spec, epoch=epoch, backend=self.backend, pool_bytes=self.size)
         return header, [self.fd, fence_fd]

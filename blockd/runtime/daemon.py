@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from blockd import logs, wire
+from blockd import logs
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.config import Config
 from blockd.core.contract import KVManager
@@ -39,6 +39,7 @@ from blockd.runtime.events import EventLog
 from blockd.runtime.journal_records import FlushRecord, TenantsRecord
 from blockd.runtime.listing import SequenceIndex
 from blockd.runtime.packed import PackedIds
+from blockd.runtime.pool_handles import PoolHandles
 from blockd.runtime.recovery import Recovery
 from blockd.runtime.remote import RemoteTier
 from blockd.runtime.sessions import Sessions
@@ -104,7 +105,7 @@ class Daemon:
         #: The same object, as the contract every call outside partition bookkeeping uses.
         self.manager: KVManager = self.partitions
         #: Each partition's own pool (memfd or VMM allocation; a session's worker receives only
-        #: its partition's: ``handle_for``) and lower tiers' stores.
+        #: its partition's: ``handles``) and lower tiers' stores.
         self.storage = Storage(cfg, self.partitions, state_dir=store.dir if store else None,
                                shared_path=store.pool_path if store else "",
                                reuse=saved is not None)
@@ -117,11 +118,14 @@ class Daemon:
         self.medium = self.pool.medium
         self.sessions = Sessions(self.manager, epoch=self.epoch, tenants=self.tenants,
                                  lease=cfg.lease, max_sessions=sc.max_sessions, store=store,
-                                 record=self.recovery.record, fd_budget=self.fds)
+                                 record=self.recovery.record, fd_budget=self.fds,
+                                 fence_slots=self.spec.tp_size)
         self._resumed = saved is not None and bool(saved.sessions)
         for s in saved.sessions if saved is not None else ():
             self.sessions.restore(s)
         self.sessions.restore_revoked(saved.revoked if saved is not None else {})
+        #: What the handle socket sends a session's worker, and the fetch secret it asks for.
+        self.handles = PoolHandles(self.sessions, self.pools, self.partitions, self.epoch, store)
         #: Live sequence ids per tenant, sorted: ListSequences pages in O(page).
         self.index = SequenceIndex(self.partitions, self.sessions, self.budgets, self.limits,
                                    self.spec.block_size)
@@ -277,7 +281,8 @@ class Daemon:
         return pb.AttachResponse(
             session_id=info.id, epoch=self.epoch, lease_ms=info.lease_ms,
             pool=convert.pool_info(own, self.medium, self.cfg.server.handle_socket),
-            tenant_id=info.tenant_id, sharing_domain_kind=convert.sharing_kind(policy))
+            tenant_id=info.tenant_id, sharing_domain_kind=convert.sharing_kind(policy),
+            fetch_secret=self.handles.secret_of(info.id))
 
     def detach(self, principal: Principal, req: pb.DetachRequest) -> pb.DetachResponse:
         info = self.sessions.get(principal, req.session_id, revoked_ok=True)
@@ -472,19 +477,6 @@ class Daemon:
         return pb.FlushNamespaceResponse(num_blocks_flushed=n)
 
     # -- the pool ------------------------------------------------------------------------------
-
-    def handle_for(self, session_id: str
-                   ) -> tuple[wire.HandleHeader, list[int], str] | None:
-        """What the handle server sends a session's worker (called from its thread): the
-        header and fds of the pool of the session's partition, and no other, then the
-        session's fence page (``blockd.wire`` fd order); and the session's tenant (the
-        server checks a request naming one)."""
-        info = self.sessions.find(session_id)
-        if info is None or info.fence_page is None or info.revoked:
-            return None
-        pool = self.pools[self.partitions.partition_of_tenant(info.tenant_id)]
-        header, fds = pool.handle(self.epoch, info.fence_page.fd)
-        return header, fds, info.tenant_id
 
     def close(self) -> None:
         """Release this process's handles. With ``state.dir`` the files stay: the next daemon

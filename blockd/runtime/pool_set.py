@@ -2,7 +2,7 @@
 one per dedicated partition), each its own memfd, state-dir file or VMM allocation.
 
 Block ids are partition-local: a session's worker receives only its partition's pool
-(``Daemon.handle_for``), whose block ``b`` is the coordinator's block ``b`` of that partition.
+(``PoolHandles.lookup``), whose block ``b`` is the coordinator's block ``b`` of that partition.
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ from blockd.core.results import AdmitResult, DoesNotFit
 from blockd.core.spec import PoolSpec
 from blockd.pools.base import Pool
 from blockd.runtime.journal_records import AdoptRecord
-from blockd.tiers.redis_cluster import FetchJob, RedisRemote, RedisSettings
 from blockd.tiers.remote_format import (
     MIN_SECRET_BYTES,
     Expected,
@@ -55,6 +54,7 @@ from blockd.tiers.remote_format import (
     pack_value,
     redis_key,
 )
+from blockd.tiers.remote_jobs import FetchJob, RedisSettings
 from blockd.tiers_config import TiersConfig
 
 if TYPE_CHECKING:  # the daemon's, handed to ``start`` (recovery imports the Step path)
@@ -110,7 +110,8 @@ def redis_settings(cfg: TiersConfig) -> RedisSettings:
         nodes=cfg.redis_addresses(), username=cfg.redis_user or None, password=password,
         tls=cfg.redis_tls, tls_ca_file=cfg.redis_tls_ca_file or None,
         timeout_s=cfg.remote_timeout_ms / 1000, ttl_s=cfg.remote_ttl_s,
-        retry_s=cfg.remote_retry_ms / 1000, queue_values=cfg.remote_queue_blocks)
+        retry_s=cfg.remote_retry_ms / 1000, queue_values=cfg.remote_queue_blocks,
+        fetches_per_tenant=cfg.remote_fetches_per_tenant)
 
 
 def _bounded_put(d: OrderedDict[bytes, bytes] | OrderedDict[tuple[str, bytes], bytes],
@@ -159,6 +160,9 @@ class RemoteTier:
 
     def __init__(self, cfg: TiersConfig, parts: PartitionCoordinator, pools: dict[str, Pool],
                  spec: PoolSpec) -> None:
+        # redis-py only with a remote tier configured (``blockd.tiers.remote_jobs`` says why).
+        from blockd.tiers.redis_cluster import RedisRemote
+
         self.keys = RemoteKeys(read_secret(cfg))
         self.client = RedisRemote(redis_settings(cfg))
         self.parts = parts
@@ -225,7 +229,7 @@ class RemoteTier:
                 self.stats.pending_admits += 1
                 return pending
         admitted = m.admit(session_id, scope, tokens, cache=cache, priority=priority)
-        if isinstance(admitted, AdmitResult):
+        if isinstance(admitted, AdmitResult) and not wait:  # (with wait: tried just above)
             self._fetch(partition, tenant_id, scope, tokens,
                         admitted.num_cached_tokens // self.block_size, want)
         return admitted
@@ -258,7 +262,8 @@ class RemoteTier:
         job = _Fetch(partition, tenant_id, scope, tokens, start,
                      expectations(self.keys, root, chain, tokens, self.block_size, start), first)
         keys = [redis_key(e.key) for e in job.expected]
-        if not self.client.fetch(FetchJob(keys, lambda raw: self._fetched(job, raw))):
+        if not self.client.fetch(FetchJob(keys, lambda raw: self._fetched(job, raw),
+                                          tenant=tenant_id)):
             return 0
         self.stats.fetches += 1
         self._in_flight[first] = stop - start

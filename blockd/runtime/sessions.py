@@ -41,6 +41,10 @@ log = logging.getLogger("blockd.sessions")
 
 #: Closed revoked sessions remembered, to tell their next call why (oldest forgotten first).
 MAX_REVOKED = 4096
+#: Sessions closed by their own Detach remembered, so that a call of another holder of the
+#: session (the vLLM scheduler side, after its worker detached at shutdown) is told so instead
+#: of NOT_FOUND, the answer on which a client re-attaches (oldest forgotten first).
+MAX_DETACHED = 4096
 
 #: What a snapshot keeps of a session: id, tenant, owner, worker name, lease, last step id and
 #: the last answer's bytes.
@@ -72,9 +76,11 @@ class Sessions:
 
     def __init__(self, manager: KVManager, *, epoch: int, tenants: TenantsFile,
                  lease: LeaseConfig, max_sessions: int, store: StateStore | None,
-                 record: Callable[[Record], None], fd_budget: fds.FdBudget | None = None
-                 ) -> None:
+                 record: Callable[[Record], None], fd_budget: fds.FdBudget | None = None,
+                 fence_slots: int = 1) -> None:
         self.m = manager
+        #: Slots of a fence page (the pool's tensor-parallel shards): one rank's worker each.
+        self.fence_slots = fence_slots
         self.epoch = epoch
         #: Credentials (and the tenants they may act for); replaced by a reload.
         self.tenants = tenants
@@ -89,6 +95,8 @@ class Sessions:
         self._per_tenant: Counter[str] = Counter()
         #: Closed revoked sessions -> why (the last ``MAX_REVOKED``): their next call says why.
         self._revoked: dict[str, str] = {}
+        #: Sessions closed by a Detach -> their credential's name (the last ``MAX_DETACHED``).
+        self._detached: dict[str, str] = {}
         #: Seconds the daemon itself did not run (see ``now``), and the reaper's last run (or
         #: this object's creation: a stall before the first run counts too).
         self._stalled = 0.0
@@ -133,12 +141,18 @@ class Sessions:
         """The caller's session: owned by its credential (the name, unique in the tenants
         file), which must still act for the session's tenant. NOT_FOUND, PERMISSION_DENIED,
         FAILED_PRECONDITION for a session a reload revoked (unless ``revoked_ok``: a Detach)
-        or a stale epoch."""
+        or a stale epoch, and for a worker's call (one naming its ``epoch``) of a session its
+        credential detached: a client re-attaches on NOT_FOUND (a reaped session, a restarted
+        daemon), never after a Detach. Another credential gets NOT_FOUND, the unknown id's
+        answer."""
         info = self._by_id.get(session_id)
         if info is None:
             if session_id in self._revoked:
                 raise FailedPrecondition(f"the session was ended by a tenants reload "
                                          f"({self._revoked[session_id]}): attach again",
+                                         field="session_id")
+            if epoch is not None and self._detached.get(session_id) == principal.name:
+                raise FailedPrecondition("the session was detached: attach a new one to go on",
                                          field="session_id")
             raise NotFound("unknown or expired session", field="session_id")
         if info.owner != principal.name and not principal.admin:
@@ -267,6 +281,10 @@ class Sessions:
             self._revoked[info.id] = info.revoked
             if len(self._revoked) > MAX_REVOKED:
                 del self._revoked[next(iter(self._revoked))]
+        elif reason == "detach":
+            self._detached[info.id] = info.owner
+            if len(self._detached) > MAX_DETACHED:
+                del self._detached[next(iter(self._detached))]
         self.record(DetachRecord(info.id, reason))
         if info.fence_page is not None:
             info.fence_page.close(unlink=True)
@@ -335,7 +353,7 @@ class Sessions:
         """Apply the fence the worker published in its fence page, clamped to those issued."""
         if info.fence_page is None:
             return
-        value = info.fence_page.read()
+        value = info.fence_page.read(self.fence_slots)
         if value:
             self._completed(info, self.m.complete_fence(info.id, value, clamp_to_issued=True))
 

@@ -8,6 +8,8 @@ read or write it, since it holds every tenant's K/V and a pickle the daemon load
     snapshot              the last snapshot (written to snapshot.tmp, then renamed)
     journal.<generation>  what was applied since the snapshot of that generation
     lock                  flock-ed by the daemon using the directory (holds its pid)
+    fetch-key             the key the sessions' fetch secrets are derived under (32 bytes,
+                          0600, made once: ``fetch_key``; a wipe keeps it, a new epoch is enough)
     failed-<time>-<pid>/  a snapshot and journal that could not be replayed (a corrupt
                           journal, a bug), kept for a post-mortem
 
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from blockd.core.errors import FailedPrecondition
+from blockd.pools.fetch_secrets import KEY_BYTES
 
 MAGIC = b"BLOCKD-STATE\x00\x01"
 
@@ -85,6 +88,35 @@ class StateStore:
 
     def journal_path(self, generation: int) -> str:
         return str(self.dir / f"journal.{generation}")
+
+    def fetch_key(self) -> bytes:
+        """The fetch-secret key (``blockd.pools.fetch_secrets``): read, or made on the first
+        start (written to a temporary file, synced, then renamed: never half a key). A file of
+        another size is refused naming it; the sessions it served could not fetch again."""
+        path = self.dir / "fetch-key"
+        try:
+            key = path.read_bytes()
+        except FileNotFoundError:
+            key = os.urandom(KEY_BYTES)
+            tmp = self.dir / "fetch-key.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, key)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        if len(key) != KEY_BYTES:
+            raise FailedPrecondition(f"{path}: {len(key)} bytes, expected a {KEY_BYTES}-byte "
+                                     f"key (remove it to make a new one: attached workers "
+                                     f"then cannot fetch their pool again)", field="state.dir")
+        return key
 
     # -- snapshots -----------------------------------------------------------------------------
 

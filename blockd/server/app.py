@@ -37,7 +37,7 @@ from blockd.runtime import startup as runtime
 from blockd.runtime.daemon import Daemon
 from blockd.runtime.kv_events import KvEventPublisher
 from blockd.runtime.refusal_holds import RefusalHolds
-from blockd.server import metrics_http, reflection
+from blockd.server import metrics_http, reflection, tracing
 from blockd.server.endpoints import (
     SocketClaim,
     check_port,
@@ -79,11 +79,13 @@ def check_invariants(daemon: Daemon, metrics: Metrics) -> None:
         log.error("invariant violated", extra=logs.fields(error=exc.message))
 
 
-def _grpc_server(sc: ServerConfig, servicer: BlockdServicer, connections: int
+def _grpc_server(sc: ServerConfig, servicer: BlockdServicer, connections: int,
+                 traced: tracing.Tracing | None = None
                  ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """``connections``: the most gRPC connections open at once (``fds.grpc_connections``):
-    beyond, gRPC closes a new one at accept, so no flood of them exhausts the descriptors."""
-    server = grpc.aio.server(options=[
+    beyond, gRPC closes a new one at accept, so no flood of them exhausts the descriptors.
+    ``traced``: its interceptor makes a span of every BlockdService call (``tracing.*``)."""
+    server = grpc.aio.server(interceptors=traced.interceptors if traced else None, options=[
         ("grpc.max_receive_message_length", sc.max_message_bytes),
         ("grpc.max_send_message_length", sc.max_message_bytes),
         ("grpc.so_reuseport", 0),
@@ -152,7 +154,8 @@ def _warn_open_metrics(cfg: Config) -> None:
 
 
 async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file."""
+    """Serve until SIGTERM/SIGINT; SIGHUP reloads the tenants file and the metrics
+    listener's token and TLS files."""
     sc = cfg.server
     sys.setswitchinterval(sc.gil_switch_interval_ms / 1000)  # config.ServerConfig says why
     async with contextlib.AsyncExitStack() as stack:
@@ -163,12 +166,15 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
                 claim.acquire()
                 stack.callback(claim.release)
         tls = tls_credentials(sc)  # unreadable files: refused before anything is bound
+        traced = tracing.start(cfg.tracing)  # None when off; a missing package: refused here
+        if traced is not None:
+            stack.push_async_callback(traced.close)  # after the server's stop: its last spans
         if sc.tcp_address:
             require_tls_off_loopback(sc.tcp_address, tls is not None)
             check_port(sc.tcp_address, "server.tcp_address")
         if cfg.metrics.address:
             check_port(cfg.metrics.address, "metrics.address")
-            scrape_creds = metrics_http.prepare(cfg.metrics)  # unreadable files: refused here
+            scrape_keys = metrics_http.Keyring(cfg.metrics)  # unreadable files: refused here
             _warn_open_metrics(cfg)
         publisher = None
         if cfg.events.zmq_endpoint:
@@ -182,7 +188,9 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         stack.callback(daemon.close)
         metrics = Metrics(cfg.metrics)
         metrics.bind(daemon, events=publisher)
-        servicer = BlockdServicer(daemon, metrics,
+        if traced is not None:
+            metrics.registry.register(traced.collector())
+        servicer = BlockdServicer(daemon, metrics, gate=traced.gate if traced else None,
                                   holds=RefusalHolds(cfg.tenants.rate_refusal_hold_ms))
         if publisher is not None:
             daemon.events.add_listener(publisher.submit)
@@ -190,7 +198,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         tasks: list[asyncio.Task[None]] = []
         stack.callback(lambda: [t.cancel() for t in tasks])  # after the server's last second
         server, health_servicer = _grpc_server(
-            sc, servicer, fds.grpc_connections(cfg, daemon.tenants.tenants))
+            sc, servicer, fds.grpc_connections(cfg, daemon.tenants.tenants), traced)
         stack.push_async_callback(server.stop, 1.0)
 
         endpoints = {}
@@ -205,7 +213,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             if tls is not None:
                 endpoints["tls"] = "mtls" if sc.tls_client_ca else "tls"
         if sc.handle_socket:
-            handles = HandleServer(sc.handle_socket, daemon.handle_for,
+            handles = HandleServer(sc.handle_socket, daemon.handles.lookup,
+                                   daemon.handles.secrets,
                                    mode=int(sc.socket_mode, 8),
                                    max_connections=sc.handle_connections,
                                    timeout=sc.handle_timeout_s,
@@ -225,7 +234,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             host, port = split_address(cfg.metrics.address)
             try:
                 metrics_server = await metrics_http.serve_http(metrics, host, port, cfg.metrics,
-                                                               scrape_creds)
+                                                               scrape_keys)
             except OSError as exc:
                 raise FailedPrecondition(f"metrics.address: cannot listen on "
                                          f"{cfg.metrics.address}: {exc.strerror}",
@@ -234,6 +243,30 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
             endpoints["metrics"] = f"{host}:{metrics_server.sockets[0].getsockname()[1]}"
             if cfg.metrics.tls_cert:
                 endpoints["metrics_tls"] = "mtls" if cfg.metrics.tls_client_ca else "tls"
+
+        # Before anything says "ready": a supervisor that stops us right after it reads
+        # BLOCKD_READY (or health SERVING) must find the handlers, not the default action.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+
+        def reload() -> None:
+            try:
+                daemon.reload_tenants()
+            except Exception as exc:  # keep serving with the old tenants on a bad file
+                log.error("tenants reload failed, keeping the previous tenants",
+                          extra=logs.fields(error=str(exc)))
+            if cfg.metrics.address:
+                try:
+                    scrape_keys.reload()
+                except Exception as exc:  # a bad rotation keeps the previous credentials
+                    log.error("metrics credentials reload failed, keeping the previous ones",
+                              extra=logs.fields(error=str(exc)))
+                else:
+                    log.info("metrics credentials reloaded")
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
 
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -246,20 +279,6 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
                                               **daemon.fds.fields()))
         # One machine-readable line for tests and supervisors that start us on port 0.
         print("BLOCKD_READY " + json.dumps(endpoints), flush=True)
-
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-
-        def reload() -> None:
-            try:
-                daemon.reload_tenants()
-            except Exception as exc:  # keep serving with the old tenants on a bad file
-                log.error("tenants reload failed, keeping the previous tenants",
-                          extra=logs.fields(error=str(exc)))
-
-        loop.add_signal_handler(signal.SIGHUP, reload)
 
         tasks += [asyncio.create_task(every(cfg.lease.reap_interval_ms, daemon.reap,
                                             "reaping expired sessions")),

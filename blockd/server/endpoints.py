@@ -47,7 +47,7 @@ from pathlib import Path
 
 import grpc
 
-from blockd import config, logs, paths
+from blockd import config, logs, paths, tls_files
 from blockd.core.errors import FailedPrecondition
 
 log = logging.getLogger("blockd.server")
@@ -112,26 +112,14 @@ def tls_credentials(sc: config.ServerConfig) -> grpc.ServerCredentials | None:
     if sc.socket_mode not in ("0660", "0600"):
         raise FailedPrecondition(f"server.socket_mode: must be '0660' or '0600', got "
                                  f"{sc.socket_mode!r}", field="server.socket_mode")
-    for name, needs in (("tls_key", "tls_cert"), ("tls_cert", "tls_key"),
-                        ("tls_client_ca", "tls_cert")):
-        if getattr(sc, name) and not getattr(sc, needs):
-            raise FailedPrecondition(f"server.{needs}: needed with server.{name}",
-                                     field=f"server.{needs}")
+    pair = tls_files.missing(sc)
+    if pair:
+        name, needs = pair
+        raise FailedPrecondition(f"server.{needs}: needed with server.{name}",
+                                 field=f"server.{needs}")
     if not sc.tls_cert:
         return None
-    pem: dict[str, bytes] = {}
-    for name in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(sc, name)
-        if not path:
-            continue
-        try:
-            pem[name] = Path(path).read_bytes()
-        except OSError as exc:
-            raise FailedPrecondition(f"server.{name}: cannot read {path}: {exc.strerror}",
-                                     field=f"server.{name}") from None
-        if b"-----BEGIN" not in pem[name]:
-            raise FailedPrecondition(f"server.{name}: {path} is not a PEM file",
-                                     field=f"server.{name}")
+    pem = tls_files.read_pems(sc, "server")
     ca = pem.get("tls_client_ca")
     return grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])],
                                        root_certificates=ca, require_client_auth=ca is not None)

@@ -18,8 +18,10 @@ etcd and Envoy's admin listener offer it:
 * ``metrics.tls_cert``/``tls_key``: HTTPS; with ``metrics.tls_client_ca`` a scraper needs a
   certificate that CA signed (mTLS), checked in the handshake, before any request is read.
 
-The files are read once, at start (``prepare``), before anything is bound: one that cannot be
-read, is empty or is not PEM refuses the start in one line naming its field.
+The files are read at start (``prepare``), before anything is bound: one that cannot be
+read, is empty or is not PEM refuses the start in one line naming its field. SIGHUP reads them
+again (``Keyring.reload``): a rotation takes effect for the next connection, and a bad one is
+logged naming its field while the previous credentials stay.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import hmac
 import logging
 import ssl
 from dataclasses import dataclass
-from pathlib import Path
 
+from blockd import tls_files
 from blockd.core.errors import FailedPrecondition
 from blockd.metrics_config import MetricsConfig
 from blockd.server.metrics import Metrics
@@ -51,19 +53,11 @@ class Credentials:
     tls: ssl.SSLContext | None = None
 
 
-def _read(path: str, field: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise FailedPrecondition(f"{field}: cannot read {path}: {exc.strerror}",
-                                 field=field) from None
-
-
 def read_token(path: str) -> bytes:
     """The token in ``metrics.bearer_token_file``: its one line, surrounding whitespace
     stripped; refused when empty or when it holds whitespace (no header could carry it)."""
     field = "metrics.bearer_token_file"
-    token = _read(path, field).strip()
+    token = tls_files.read(path, field).strip()
     if not token:
         raise FailedPrecondition(f"{field}: {path} is empty", field=field)
     if any(c in token for c in b" \t\r\n") or not token.isascii():
@@ -77,11 +71,7 @@ def tls_context(cfg: MetricsConfig) -> ssl.SSLContext | None:
     ``tls_client_ca`` a client certificate it signed is required."""
     if not cfg.tls_cert:
         return None
-    for name in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(cfg, name)
-        if path and b"-----BEGIN" not in _read(path, f"metrics.{name}"):
-            raise FailedPrecondition(f"metrics.{name}: {path} is not a PEM file",
-                                     field=f"metrics.{name}")
+    tls_files.read_pems(cfg, "metrics")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
@@ -106,6 +96,22 @@ def prepare(cfg: MetricsConfig) -> Credentials:
     return Credentials(token=token, tls=tls_context(cfg))
 
 
+class Keyring:
+    """The credentials the listener checks now; ``reload`` (SIGHUP) reads the files again, so a
+    rotated token or certificate takes effect without a restart, as Prometheus' own
+    ``credentials_file`` is re-read per scrape. A file that no longer reads (missing, empty, not
+    PEM, a key that does not match) is refused naming the field, and the previous credentials stay:
+    a bad rotation never opens the listener or locks the scrapers out. Connections already open
+    finish with what they started with."""
+
+    def __init__(self, cfg: MetricsConfig, now: Credentials | None = None) -> None:
+        self.cfg = cfg
+        self.now = now if now is not None else prepare(cfg)
+
+    def reload(self) -> None:
+        self.now = prepare(self.cfg)  # raises before anything changes
+
+
 def authorized(request: bytes, token: bytes) -> bool:
     """Whether the request's headers carry ``Authorization: Bearer <token>``."""
     for line in request.split(b"\r\n")[1:]:
@@ -117,9 +123,9 @@ def authorized(request: bytes, token: bytes) -> bool:
 
 
 async def serve_http(metrics: Metrics, host: str, port: int, cfg: MetricsConfig,
-                     credentials: Credentials | None = None) -> asyncio.Server:
+                     keyring: Keyring | None = None) -> asyncio.Server:
     """Listen on ``host:port`` for the metrics endpoints (module docstring)."""
-    creds = credentials or Credentials()
+    keys = keyring if keyring is not None else Keyring(cfg, Credentials())
     open_now = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -129,11 +135,12 @@ async def serve_http(metrics: Metrics, host: str, port: int, cfg: MetricsConfig,
             writer.close()
             return
         open_now += 1
+        creds = keys.now
         try:
             async with asyncio.timeout(cfg.request_timeout_s):
                 if creds.tls is not None:
                     await writer.start_tls(creds.tls)
-                await exchange(reader, writer)
+                await exchange(reader, writer, creds)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
                 ConnectionError, ssl.SSLError):
             pass
@@ -143,7 +150,8 @@ async def serve_http(metrics: Metrics, host: str, port: int, cfg: MetricsConfig,
             open_now -= 1
             writer.close()
 
-    async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       creds: Credentials) -> None:
         request = await reader.readuntil(b"\r\n\r\n")
         line = request.split(b"\r\n", 1)[0].decode("latin-1").split()
         method, path = (line + ["", ""])[:2]

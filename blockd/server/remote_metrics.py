@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 #: Every label value of the by-kind counters, exported from the start (zeros included).
 ERROR_KINDS = ("timeout", "connection", "cluster_down", "full", "auth", "other")
-DROP_REASONS = ("publish_queue", "fetch_queue", "down")
+DROP_REASONS = ("publish_queue", "fetch_budget", "down")
 NOT_PUBLISHED = ("unchained", "present", "down", "copy", "queue")
 
 

@@ -6,14 +6,16 @@ loop:
 
 * the *publisher* drains a bounded queue of values to write (``publish``: never blocks; a full
   queue drops the value and counts it) and writes them in pipelines;
-* the *fetcher* takes fetch jobs (``fetch``: bounded the same way), reads their keys in one
-  pipeline, and hands the raw values to the job's callback (which the runtime makes run on its
-  loop). A key that fails to read is a miss.
+* the *fetcher* takes fetch jobs (``fetch``: a queue per tenant, bounded, served in turn:
+  ``blockd.tiers.fair_queue``), reads their keys in one pipeline, and hands the raw values to
+  the job's callback (which the runtime makes run on its loop). A key that fails to read is a
+  miss.
 
 Every command has a deadline (``timeout_s``, the socket timeout). Errors are counted by kind
 (``timeout``, ``connection``, ``cluster_down``, ``full``, ``auth``, ``other``) and never escape.
 The client is *down* while it cannot be built (the cluster unreachable at start, or after
-``DOWN_AFTER`` consecutive failures): each thread then tries to build it again every
+``DOWN_AFTER`` consecutive failures of rounds in which no command succeeded: a dead master
+among live ones fails its own keys only): each thread then tries to build it again every
 ``retry_s``, and publishes and fetches meanwhile are dropped (counted); when the cluster is
 back it is used again. The password is read from a file by the caller and never logged.
 """
@@ -25,9 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from redis import exceptions as rx
@@ -35,48 +35,17 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from blockd.tiers.histogram import Histogram
+from blockd.tiers.fair_queue import FairQueue
+from blockd.tiers.remote_jobs import FetchJob, RedisSettings, RemoteCounters
 
 log = logging.getLogger("blockd.remote")
 
 #: Consecutive failed commands after which the client is rebuilt from the startup nodes.
 DOWN_AFTER = 3
+#: Failure kinds that take the tier down at once when no master answered at all.
+DOWN_AT_ONCE = frozenset({"connection", "cluster_down"})
 #: Values one publisher pipeline writes at most.
 PUBLISH_BATCH = 64
-
-
-@dataclass(frozen=True)
-class RedisSettings:
-    nodes: tuple[tuple[str, int], ...]
-    username: str | None = None
-    password: str | None = None
-    tls: bool = False
-    tls_ca_file: str | None = None
-    timeout_s: float = 0.2
-    ttl_s: int = 0
-    retry_s: float = 1.0
-    queue_values: int = 1024
-    queue_fetches: int = 256
-
-
-@dataclass
-class RemoteCounters:
-    """What the remote tier did; read by the metrics collector (under no lock: each field is
-    written by one thread, and a scrape may see a count one command late)."""
-
-    errors: Counter[str] = field(default_factory=Counter)
-    #: Values not written or fetches not made: ``publish_queue``, ``fetch_queue`` (full),
-    #: ``down`` (no client).
-    dropped: Counter[str] = field(default_factory=Counter)
-    values_written: int = 0
-    bytes_written: int = 0
-    values_read: int = 0
-    bytes_read: int = 0
-    #: Seconds of each pipeline, by operation (``get``, ``set``).
-    seconds: dict[str, Histogram] = field(
-        default_factory=lambda: {"get": Histogram(), "set": Histogram()})
-    up: bool = False
-    connects: int = 0
 
 
 def error_kind(exc: BaseException) -> str:
@@ -97,13 +66,6 @@ def error_kind(exc: BaseException) -> str:
     return "other"
 
 
-@dataclass
-class FetchJob:
-    keys: list[bytes]
-    #: Called on the fetcher thread with one raw value (or None) per key.
-    done: Callable[[list[bytes | None]], None]
-
-
 class RedisRemote:
     """A shared Redis Cluster, written behind and read ahead on threads of its own."""
 
@@ -119,7 +81,7 @@ class RedisRemote:
             settings.queue_values)
         #: Called on the publisher thread with the tags of the values the cluster accepted.
         self.on_written: Callable[[list[object]], None] | None = None
-        self._fetches: queue.Queue[FetchJob | None] = queue.Queue(settings.queue_fetches)
+        self._fetches: FairQueue[FetchJob] = FairQueue(settings.fetches_per_tenant)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._publisher, name="blockd-remote-pub",
                                           daemon=True),
@@ -157,10 +119,8 @@ class RedisRemote:
         if not self.counters.up:
             self.counters.dropped["down"] += 1
             return False
-        try:
-            self._fetches.put_nowait(job)
-        except queue.Full:
-            self.counters.dropped["fetch_queue"] += 1
+        if not self._fetches.put(job.tenant, job):
+            self.counters.dropped["fetch_budget"] += 1
             return False
         return True
 
@@ -177,9 +137,9 @@ class RedisRemote:
 
     def close(self) -> None:
         self._stop.set()
-        for q in (self._values, self._fetches):
-            with contextlib.suppress(queue.Full):
-                q.put_nowait(None)
+        with contextlib.suppress(queue.Full):
+            self._values.put_nowait(None)
+        self._fetches.close()
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=2 * self.settings.timeout_s + 1)
@@ -224,12 +184,17 @@ class RedisRemote:
             return client
 
     def _failed(self, exc: BaseException, *, whole: bool = False) -> None:
-        """One command failed (``whole``: a whole pipeline or a probe could not reach the
-        cluster: it is down at once)."""
+        """One command failed (``whole``: a probe could not reach the cluster: it is down at
+        once)."""
         kind = error_kind(exc)
         self.counters.errors[kind] += 1
         self._failures += 1
-        if self._failures >= DOWN_AFTER or whole and kind in ("connection", "cluster_down"):
+        self._down_if(whole and kind in DOWN_AT_ONCE)
+
+    def _down_if(self, at_once: bool) -> None:
+        """Drop the client (reconnect after ``retry_s``) after ``DOWN_AFTER`` failures in a
+        row, or at once."""
+        if self._failures >= DOWN_AFTER or at_once:
             with self._client_lock:
                 client, self._client = self._client, None
                 self._next_try = time.monotonic() + self.settings.retry_s
@@ -239,6 +204,22 @@ class RedisRemote:
                 self.counters.up = False
                 with contextlib.suppress(Exception):  # dropped because it is broken
                     client.close()
+
+    def _tally(self, results: list[Any], unreached: bool) -> None:
+        """Count a round's failed commands by kind, each once. A round in which some command
+        succeeded is no failure of the cluster (a dead or slow master fails its own keys
+        only: misses) and ends a run of failures; one in which every command failed counts
+        towards ``DOWN_AFTER``, command by command, and one that reached no master at all
+        (``unreached``) by a connection failure takes the tier down at once."""
+        failed = [r for r in results if isinstance(r, BaseException)]
+        kinds = [error_kind(exc) for exc in failed]
+        for kind in kinds:
+            self.counters.errors[kind] += 1
+        if len(failed) < len(results):
+            self._failures = 0
+            return
+        self._failures += len(failed)
+        self._down_if(unreached and any(k in DOWN_AT_ONCE for k in kinds))
 
     def _idle(self) -> None:
         """Nothing to do for ``retry_s``: reconnect if down, else probe (so that ``up`` says
@@ -285,50 +266,72 @@ class RedisRemote:
         """Run ``commands`` (``(name, key, *args)``) in one pipeline per master that owns
         their keys' slots, so that a master that is down or slow fails its own keys only
         (one cluster pipeline fails as a whole). Each command's reply, or the exception that
-        failed it; the cluster is down (``_failed(whole=True)``) only if every master failed."""
-        groups: dict[str, tuple[Any, list[int]]] = {}
+        failed it, counted (``_tally``): the cluster is down only if no master was reached.
+        A stale slot map (a slot no master serves in it, or a MOVED/ASK reply: a cluster that
+        was still forming when the client connected, a failover) is reloaded in the round that
+        finds out, and those commands run once more on the fresh map."""
         out: list[Any] = [None] * len(commands)
-        for i, (_, key, *_rest) in enumerate(commands):
-            try:
-                node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
-            except Exception as exc:  # a slot no master serves
-                out[i] = exc
-                continue
-            groups.setdefault(node.name, (node, []))[1].append(i)
+        todo: list[int] = list(range(len(commands)))
         failure: BaseException | None = None
         reached = False
-        for node, idx in groups.values():
-            try:
-                conn = client.get_redis_connection(node)
-                pipe = conn.pipeline(transaction=False)
-                for i in idx:
-                    name, key, *args = commands[i]
-                    getattr(pipe, name)(key, *args)
-                replies = pipe.execute(raise_on_error=False)
-            except Exception as exc:
-                failure = exc
-                for i in idx:
-                    out[i] = exc
-                continue
-            reached = True
-            for i, r in zip(idx, replies, strict=True):
-                out[i] = r
+        for again in (False, True):
+            groups: dict[str, tuple[Any, list[int]]] = {}
+            stale = self._group(client, commands, todo, groups, out)
+            for node, idx in groups.values():
+                try:
+                    conn = client.get_redis_connection(node)
+                    pipe = conn.pipeline(transaction=False)
+                    for i in idx:
+                        name, key, *args = commands[i]
+                        getattr(pipe, name)(key, *args)
+                    replies = pipe.execute(raise_on_error=False)
+                except Exception as exc:
+                    failure = exc
+                    for i in idx:
+                        out[i] = exc
+                    continue
+                reached = True
+                for i, r in zip(idx, replies, strict=True):
+                    out[i] = r
+                    if isinstance(r, rx.AskError):  # MOVED or ASK: the map is stale
+                        stale.append(i)
+            if again or not stale or not self._refresh(client):
+                break
+            todo = stale
         if failure is not None:
             self._refresh(client)
-            if not reached:
-                self._failed(failure, whole=True)
-                return out
+        self._tally(out, unreached=failure is not None and not reached)
         return out
 
-    def _refresh(self, client: RedisCluster) -> None:
-        """A master failed: reload the slot map (a failover may have moved its slots), at
-        most once per ``retry_s``."""
+    @staticmethod
+    def _group(client: RedisCluster, commands: list[tuple[Any, ...]], which: Any,
+               groups: dict[str, tuple[Any, list[int]]], out: list[Any]) -> list[int]:
+        """Add commands ``which`` to their master's group; those whose slot no master serves
+        get the lookup's exception in ``out`` and are returned."""
+        unmapped = []
+        for i in which:
+            try:
+                node = client.nodes_manager.get_node_from_slot(client.keyslot(commands[i][1]))
+            except Exception as exc:  # a slot no master serves
+                out[i] = exc
+                unmapped.append(i)
+                continue
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return unmapped
+
+    def _refresh(self, client: RedisCluster) -> bool:
+        """A master failed or a slot had none: reload the slot map (a failover may have moved
+        slots; a cluster may have been forming at the connect), at most once per
+        ``retry_s``. True when the map was reloaded."""
         now = time.monotonic()
         if now < self._next_refresh:
-            return
+            return False
         self._next_refresh = now + self.settings.retry_s
-        with contextlib.suppress(Exception):  # the map stays as it was
+        try:
             client.nodes_manager.initialize()
+        except Exception:  # the map stays as it was
+            return False
+        return True
 
     def _write(self, batch: list[tuple[bytes, bytes, object]]) -> None:
         client = self._connect()
@@ -341,13 +344,9 @@ class RedisRemote:
         results = self._by_node(client, commands)
         written = []
         for (_, v, tag), r in zip(batch, results, strict=True):
-            if isinstance(r, BaseException):
-                self._failed(r)
-            else:
+            if not isinstance(r, BaseException):
                 written.append(tag)
                 self.counters.bytes_written += len(v)
-        if written:
-            self._failures = 0
         self.counters.values_written += len(written)
         self._timed("set", t0)
         if written and self.on_written is not None:
@@ -358,13 +357,12 @@ class RedisRemote:
 
     def _fetcher(self) -> None:
         while not self._stop.is_set():
-            try:
-                job = self._fetches.get(timeout=self.settings.retry_s)
-            except queue.Empty:
-                self._connect()  # the publisher probes
-                continue
+            job = self._fetches.get(timeout=self.settings.retry_s)
             if job is None:
-                return
+                if self._stop.is_set():
+                    return
+                self._connect()  # nothing to fetch: the publisher probes
+                continue
             values = self._read(job.keys)
             try:
                 job.done(values)
@@ -379,18 +377,11 @@ class RedisRemote:
             return out
         t0 = time.perf_counter()
         results = self._by_node(client, [("get", k) for k in keys])
-        ok = False
         for i, r in enumerate(results[:len(keys)]):
-            if isinstance(r, BaseException):
-                self._failed(r)
-            else:
-                ok = True
-                if isinstance(r, bytes):
-                    out[i] = r
-                    self.counters.values_read += 1
-                    self.counters.bytes_read += len(r)
-        if ok:
-            self._failures = 0
+            if isinstance(r, bytes):
+                out[i] = r
+                self.counters.values_read += 1
+                self.counters.bytes_read += len(r)
         self._timed("get", t0)
         return out
 

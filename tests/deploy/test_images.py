@@ -332,7 +332,7 @@ def test_healthcheck_fails_when_nothing_listens(tmp_path: Path) -> None:
 
 def test_healthcheck_turns_unhealthy_while_draining(tmp_path: Path) -> None:
     hc = healthcheck_module()
-    d = start(tmp_path / "draining")
+    d = start(tmp_path / "draining", extra={"server": {"grace_seconds": 30.0}})
     try:
         address = d.endpoints["tcp"]
         assert hc.check(address)[0]

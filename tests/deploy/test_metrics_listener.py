@@ -4,7 +4,8 @@
   worker steps get byte-identical answers, rendered once, so their number no longer multiplies
   what they cost the event loop (bench/metrics_scrape.py measures the loop and an admit's p50);
 - ``metrics.bearer_token_file``: /metrics and / answer 401 without the token (no rendering),
-  /healthz stays open; ``metrics.tls_cert`` and ``tls_client_ca``: HTTPS, and mTLS refuses a
+  /healthz stays open; SIGHUP reads a rotated token, a bad rotation keeps the old
+  one; ``metrics.tls_cert`` and ``tls_client_ca``: HTTPS, and mTLS refuses a
   scraper without a certificate;
 - ``metrics.tenant_labels: false``: no tenant id anywhere in the exposition, the per-tenant
   families summed, and promtool still accepts it;
@@ -14,8 +15,10 @@
 from __future__ import annotations
 
 import http.client
+import signal
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,6 +119,39 @@ def test_the_bearer_token_guards_metrics_and_status_but_not_healthz(tmp_path: Pa
         assert value(body, "blockd_metrics_renders_total") == 1
         assert value(body, "blockd_metrics_unauthorized_requests_total") == 8
         assert get(address, "/", token=TOKEN)[0] == 200
+
+
+def _sighup(d: Daemon, line: str) -> None:
+    """SIGHUP the daemon and wait for one more log line holding ``line``."""
+    before = d.log_text().count(line)
+    d.signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while d.log_text().count(line) <= before:
+        assert time.monotonic() < deadline, f"no {line!r} in the daemon's log"
+        time.sleep(0.05)
+
+
+def test_sighup_rotates_the_token_and_a_bad_rotation_keeps_the_old_one(tmp_path: Path) -> None:
+    """A rotated token file takes effect on SIGHUP without a restart; an empty one (a rotation
+    caught half-written) is refused naming the field, and the token before it still guards."""
+    token_file = tmp_path / "metrics-token"
+    token_file.write_text(TOKEN + "\n")
+    rotated = "scrape-token-rotated-77e2"
+    with start(tmp_path / "d", extra={"metrics": {"bearer_token_file": str(token_file)}}) as d:
+        address = d.endpoints["metrics"]
+        assert get(address, token=TOKEN)[0] == 200
+        token_file.write_text(rotated + "\n")
+        assert get(address, token=TOKEN)[0] == 200  # read at start and on SIGHUP only
+        _sighup(d, "metrics credentials reloaded")
+        assert get(address, token=TOKEN)[0] == 401
+        assert get(address, token=rotated)[0] == 200
+        token_file.write_text("")
+        _sighup(d, "metrics credentials reload failed")
+        assert "metrics.bearer_token_file" in d.log_text()
+        assert get(address)[0] == 401  # never opened by a bad file
+        assert get(address, token=rotated)[0] == 200
+        assert get(address, "/healthz")[0] == 200
+    assert d.proc.returncode == 0, d.log_text()
 
 
 def test_https_and_mtls_on_the_metrics_listener(tmp_path: Path,

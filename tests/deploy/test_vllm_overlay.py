@@ -128,7 +128,7 @@ def check_vllm_worker(docs: Docs, cfg: blockd_config.Config, parser: argparse.Ar
     token.write_text("t\n")
     settings = Settings.parse({**extra, "token_file": str(token)})
     assert (settings.target, settings.tenant) == (extra["target"], extra["tenant"])
-    # One engine, one worker: the connector supports tensor_parallel_size 1.
+    # One GPU per Pod: one rank, one shard (the pool's tp_size is the engine's TP size).
     assert ns.tensor_parallel_size == 1 == cfg.pool.tp_size
     assert ns.pipeline_parallel_size == 1
     return ns
@@ -173,7 +173,7 @@ def test_the_pool_layout_is_the_served_models(rendered: dict[str, Docs], name: s
     assert ns.block_size == pool.block_size, "--block-size vs pool.block_size"
     assert served_shape(ns, tmp_path) == KvShape(
         num_layers=pool.num_layers, block_size=pool.block_size, num_kv_heads=pool.num_kv_heads,
-        head_dim=pool.head_dim, dtype=pool.dtype)
+        head_dim=pool.head_dim, dtype=pool.dtype, tp_size=pool.tp_size)
     # The KV-event topic names the model vLLM serves under (no --served-model-name: the tag).
     assert (ns.served_model_name or [ns.model_tag]) == [cfg.events.model_name]
     # The pool and blockd's CUDA context fit beside vLLM's share of the smallest GPU promised.

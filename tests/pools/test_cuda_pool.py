@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from blockd import wire
+from blockd import handle_wire, wire
 from blockd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from blockd.core.spec import PoolSpec
 from blockd.pools import cuda as cuda_pool
@@ -143,7 +143,7 @@ def test_worker_rejects_a_bad_answer_and_closes_the_fds(header: dict[str, Any], 
 def test_cuda_view_refuses_a_host_header_and_closes_the_fds() -> None:
     from blockd_client.cuda_view import CudaPoolView
 
-    header = wire.HandleHeader.from_json({
+    header = handle_wire.HandleHeader.from_json({
         k: v for k, v in _view_header(backend="host").items()
         if k not in ("devices", "shard_bytes", "granularity")})
     fds = [os.memfd_create("t", os.MFD_CLOEXEC) for _ in range(2)]
@@ -463,7 +463,7 @@ def test_fake_geometry_fds_and_header(fake: FakeDriver) -> None:
         assert (header.devices, header.shard_bytes, header.granularity) == (
             (0, 1), pool.size, fake.granularity)
         assert header.device_uuids == ("01" * 16, "02" * 16)
-        assert wire.HandleHeader.from_json(header.to_json()) == header
+        assert handle_wire.HandleHeader.from_json(header.to_json()) == header
         # Each shard mapped read-write for its own device only.
         for va, desc in fake.access.items():
             dev = fake.handle_device[fake.maps[va][0]]
@@ -664,7 +664,7 @@ def gpu() -> None:
 
 
 def worker_header(pool: CudaPool, page: FencePage, epoch: int = 1
-                  ) -> tuple[wire.HandleHeader, list[int]]:
+                  ) -> tuple[handle_wire.HandleHeader, list[int]]:
     """What the daemon's handle server sends with the CUDA pool, fds duplicated (the view
     closes the ones it is given)."""
     header, fds = pool.handle(epoch, page.fd)

@@ -251,7 +251,8 @@ class FakeDriver:
         if self.write_result != FakeResult.CUDA_SUCCESS:
             self.calls.append("cuStreamWriteValue64")
             return (self.write_result,)
-        assert addr in self.registered and flags == 0
+        assert any(0 <= addr - p < wire.FENCE_PAGE_BYTES for p in self.registered)
+        assert flags == 0
         self.queues.setdefault(stream, []).append(("write", addr, value))
         return self._ok("cuStreamWriteValue64")
 
@@ -327,6 +328,28 @@ def test_fake_driver_close_waits_for_queued_writes_before_unregistering() -> Non
     order = [c for c in drv.calls if c in ("cuCtxSynchronize", "cuMemHostUnregister")]
     assert order == ["cuCtxSynchronize", "cuMemHostUnregister"]
     assert wire.read_fence(page) == 3
+    page.close()
+
+
+@pytest.mark.parametrize("mode", ["stream_write", "forced"])
+def test_fake_driver_a_ranks_publisher_writes_its_slot_only(mode: str) -> None:
+    """Tensor parallel: rank 1's worker writes slot 1 (offset 8), on the stream or by the host
+    function; the page's fence (the daemon's ``read_fences``: the lowest slot) moves only
+    once rank 0 wrote its own; a publisher of every shard writes every slot."""
+    drv = FakeDriver()
+    pub, page = fake_publisher(drv, stream_writes=mode == "stream_write", slots=(1,))
+    assert pub.publish_on_stream(6, 3) in (fences.STREAM_WRITE, fences.HOST_FUNCTION)
+    drv.run(3)
+    assert (wire.read_fence(page, 0), wire.read_fence(page, 1)) == (0, 6)
+    assert pub.published == 6 and wire.read_fences(page, 2) == 0
+    wire.write_fence(page, 4, 0)  # rank 0 is behind: the session's fence is 4
+    assert wire.read_fences(page, 2) == 4
+    pub.close()
+    both = FencePublisher(page, loader=lambda: drv, slots=(0, 1))
+    assert both.publish(9) == fences.HOST and wire.read_fences(page, 2) == 9
+    both.close()
+    with pytest.raises(ValueError, match="slots: each in 0..511"):
+        FencePublisher(page, slots=(512,))
     page.close()
 
 

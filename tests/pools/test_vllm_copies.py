@@ -55,7 +55,8 @@ def scenario(d: Any, form: str, device: str, sync: Any = None) -> None:
         s = c.attach("acme", LAYOUT, map_pool=False)
         out = s.step([rq.admit(list(range(100, 112)), NS)])  # 3 full blocks, all new
         table = list(out.results[0].admit.block_table)
-        ref = PoolRef(s.session_id, s.epoch, s.state.attach.pool.handle_socket_path)
+        ref = PoolRef(s.session_id, s.epoch, s.state.attach.pool.handle_socket_path,
+                      fetch_secret=s.fetch_secret)
         caches = vllm_caches(form, device)
         worker = WorkerSide(SHAPE, "LBHNC" if form == "LBHNC" else form)
         worker.register(caches)
@@ -168,7 +169,8 @@ def test_gpu_copies_on_the_stream_with_the_cuda_pool(tmp_path, form: str) -> Non
             s = c.attach("acme", LAYOUT, map_pool=False)
             out = s.step([rq.admit(list(range(200, 204)), NS)])
             table = list(out.results[0].admit.block_table)
-            ref = PoolRef(s.session_id, s.epoch, s.state.attach.pool.handle_socket_path)
+            ref = PoolRef(s.session_id, s.epoch, s.state.attach.pool.handle_socket_path,
+                          fetch_secret=s.fetch_secret)
             worker = WorkerSide(SHAPE, form)
             caches = vllm_caches(form, "cuda")
             worker.register(caches)

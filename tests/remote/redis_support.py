@@ -11,10 +11,12 @@ node file keeps its slots); ``cli`` runs ``redis-cli`` against a node.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,23 @@ REDIS_CLI = shutil.which("redis-cli")
 needs_redis = pytest.mark.skipif(
     REDIS_SERVER is None or REDIS_CLI is None,
     reason="redis-server/redis-cli not installed (.ci/run installs Debian's redis-server)")
+
+
+#: Ports handed out in this test run, claimed by a file each so that tests running in parallel
+#: (xdist workers share ``PYTEST_XDIST_TESTRUNUID``) never get the same one between the
+#: ``bind`` that found it free and the server that takes it (a node would join another test's
+#: cluster: "Node ... is not empty").
+_CLAIMS = Path(tempfile.gettempdir()) / (
+    f"blockd-redis-ports-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}")
+
+
+def _claim(port: int) -> bool:
+    _CLAIMS.mkdir(exist_ok=True)
+    try:
+        os.close(os.open(_CLAIMS / str(port), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def free_port() -> int:
@@ -42,7 +61,8 @@ def free_port() -> int:
                 bus.bind(("127.0.0.1", port + 10000))
             except OSError:
                 continue
-        return port
+        if _claim(port) and _claim(port + 10000):
+            return port
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
 

@@ -10,12 +10,11 @@ blocks). The pools have 8 blocks of 4 tokens; a 14-token prompt has 3 full block
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_proc import Daemon, start
+from daemon_proc import Daemon, start, wait_metric
 from redis_support import RedisCluster, needs_redis
 from test_shared_pool import run_worker
 
@@ -45,16 +44,6 @@ def remote_cfg(workdir: Path, cluster: RedisCluster, **over: Any) -> dict[str, A
 
 def node(tmp: Path, name: str, cluster: RedisCluster, **over: Any) -> Daemon:
     return start(tmp / name, num_blocks=8, extra=remote_cfg(tmp / name, cluster, **over))
-
-
-def wait_metric(d: Daemon, name: str, at_least: float, timeout: float = 30) -> float:
-    """Poll one series until it reaches ``at_least`` (a wait with a deadline, not a timing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = d.metric(name)
-        if value >= at_least or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def test_a_prefix_computed_on_node_a_is_read_on_node_b_as_its_bytes(

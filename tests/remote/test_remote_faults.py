@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 from cli_support import clean_env, run_refused, write_config
-from daemon_proc import Daemon
+from daemon_proc import Daemon, Worker, admit, start, wait_metric
 from redis_support import RedisCluster, needs_redis
-from test_remote_daemons import node, remote_cfg, wait_metric
+from test_remote_daemons import node, remote_cfg
 from test_shared_pool import run_worker
 
 pytestmark = needs_redis
@@ -172,6 +172,33 @@ def test_a_full_cluster_refuses_writes_counted(nodes: tuple[Daemon, Daemon],
     finally:
         for p in cluster.ports:
             cluster.cli(p, "config", "set", "maxmemory", "0")
+
+
+def test_one_tenants_flood_of_misses_never_refuses_anothers_fetch(tmp_path: Path,
+                                                                   cluster: RedisCluster) -> None:
+    """The cluster frozen (every fetch waits for its deadline, 3 s here): acme's one Step of 12
+    admits that all miss locally gets fetches for its share (4 waiting, the one being read),
+    the rest are plain misses counted ``fetch_budget``; globex's admit right after is fetched
+    all the same (answered pending), not refused behind acme's."""
+    dropped = 'blockd_remote_dropped_total{reason="fetch_budget"}'
+    cfg = remote_cfg(tmp_path / "c", cluster, remote_timeout_ms=3000,
+                     remote_fetches_per_tenant=4)
+    with start(tmp_path / "c", num_blocks=64, extra=cfg) as c:
+        assert wait_metric(c, "blockd_remote_up", 1) == 1
+        acme, globex = Worker(c.stub(), "alice", "acme"), Worker(c.stub(), "bob", "globex")
+        cluster.freeze(True)
+        try:
+            flood = acme.step(*[admit(prompt(100 + i), wait_for_remote=True)
+                                for i in range(12)], fence=0)
+            pending = [r.admit.pending_remote_blocks for r in flood.results]
+            assert all(r.status.code == 0 for r in flood.results)
+            assert set(pending) == {0, 3} and 4 <= pending.count(3) <= 5, pending
+            assert c.metric(dropped) == pending.count(0)
+            quiet = globex.step(admit(prompt(200), wait_for_remote=True), fence=0).results[0]
+            assert quiet.status.code == 0 and quiet.admit.pending_remote_blocks == 3
+        finally:
+            cluster.freeze(False)
+        assert c.metric(dropped) == pending.count(0)  # globex's was never refused
 
 
 @pytest.mark.parametrize("secret,needle", [

@@ -7,7 +7,10 @@ then hold the session (heartbeating) until stdin closes.
 the marker in every byte; then ask the handle socket for each session id in ``steal`` (with no
 tenant, its own tenant and the victim's) and scan whatever it gets; admit the victim's prompt
 and report the cached tokens. Prints one JSON line.
-``probe``: ask the handle socket for ``steal[0]`` and print the refusal code (or "SERVED").
+``probe``: ask the handle socket for ``steal[0]`` (with the fetch secret ``secret``, if given)
+and print the refusal code (or "SERVED").
+A process that only learnt a session id has no fetch secret: ``scan`` asks with the one given as
+``secret`` (the victim's own, leaked with the id, in the tests that say so) or with none.
 
 With ``uid`` the process drops to that uid (and ``gid``) after its imports, before it talks to
 the daemon: the interpreter lives in a directory only root may read, so a process of another
@@ -21,7 +24,7 @@ import select
 import sys
 
 import blockd_client.requests as rq
-from blockd import wire
+from blockd import handle_wire
 from blockd_client import Client
 from blockd_client.handles import fetch_handles
 
@@ -50,20 +53,21 @@ def _drop(args: dict) -> None:
 
 def main() -> None:
     mode, args = sys.argv[1], json.loads(sys.argv[2])
-    from blockd_gpu import KvLayout
-
-    layout = KvLayout(**LAYOUT)
     if mode == "probe":
         _drop(args)
         try:
-            _h, fds = fetch_handles(args["handles"], args["steal"][0], timeout=5)
-        except wire.HandleRefused as exc:
+            _h, fds = fetch_handles(args["handles"], args["steal"][0], args.get("secret", ""),
+                                    timeout=5)
+        except handle_wire.HandleRefused as exc:
             print(exc.code, flush=True)
             return
         for fd in fds:
             os.close(fd)
         print("SERVED", flush=True)
         return
+    from blockd_gpu import KvLayout  # not for a probe: it imports torch
+
+    layout = KvLayout(**LAYOUT)
     client = Client(args["target"], token=args["token"])
     _drop(args)
     ns = rq.namespace("tiny", model_revision="r1")
@@ -84,7 +88,8 @@ def main() -> None:
         session.complete(out.fence)
         commit = session.step([rq.commit(seq)])
         session.complete(commit.fence)
-        print(json.dumps({"session": session.session_id, "table": table,
+        print(json.dumps({"session": session.session_id, "secret": session.fetch_secret,
+                          "table": table,
                           "cached": res.admit.num_cached_tokens,
                           "num_blocks": session.pool.num_blocks}), flush=True)
         # Hold the session (and its cached prefix) until stdin closes, heartbeating as a live
@@ -97,14 +102,16 @@ def main() -> None:
         return
     session = client.attach(args["tenant"], layout, worker_name="scanner", map_pool=False)
     report: dict = {"uid": os.getuid()}
-    header, fds = fetch_handles(args["handles"], session.session_id, tenant_id=args["tenant"])
+    header, fds = fetch_handles(args["handles"], session.session_id, session.fetch_secret,
+                                tenant_id=args["tenant"])
     report["own"] = {"num_blocks": header.num_blocks, **_scan_fds(fds, marker)}
     report["steal"] = []
     for sid in args.get("steal", []):
         for tenant in ("", args["tenant"], args.get("victim_tenant", "")):
             try:
-                _h, got = fetch_handles(args["handles"], sid, tenant_id=tenant, timeout=5)
-            except wire.HandleRefused as exc:
+                _h, got = fetch_handles(args["handles"], sid, args.get("secret", ""),
+                                        tenant_id=tenant, timeout=5)
+            except handle_wire.HandleRefused as exc:
                 report["steal"].append({"tenant": tenant, "refused": exc.code})
                 continue
             report["steal"].append({"tenant": tenant, **_scan_fds(got, marker)})

@@ -116,13 +116,19 @@ def test_a_hostile_worker_of_another_uid_finds_none_of_a_dedicated_tenants_bytes
         assert own["own"]["found"] == 1 and own["cached"] == 16
         hostile = _scan(d, "bob", "globex", marker, OTHER_UID,
                         steal=[victim.report["session"]], victim_tenant="acme")
+        # The id leaked together with its fetch secret: the tenant check and the uid pin.
+        leaked = _scan(d, "bob", "globex", marker, OTHER_UID, steal=[victim.report["session"]],
+                       victim_tenant="acme", secret=victim.report["secret"])
     finally:
         victim.close()
     assert hostile["uid"] == OTHER_UID
     assert hostile["own"]["num_blocks"] == 32  # the shared region only
     assert hostile["own"]["bytes"] > 32 * 256 and hostile["own"]["found"] == 0
-    # The victim's session id, with no tenant, the hostile one's and the victim's: refused.
-    assert [s.get("refused") for s in hostile["steal"]] == ["PERMISSION_DENIED"] * 3
+    # The victim's session id, with no tenant, the hostile one's and the victim's: refused,
+    # as an unknown session is (no fetch secret); with the secret too, refused all the same.
+    assert [s.get("refused") for s in hostile["steal"]] == ["NOT_FOUND"] * 3
+    assert [s.get("refused") for s in leaked["steal"]] == ["PERMISSION_DENIED"] * 3
+    assert leaked["own"]["found"] == 0 and leaked["cached"] == 0
     assert hostile["cached"] == 0  # no prefix of the victim is hit from another partition
 
 
@@ -136,7 +142,8 @@ def test_a_process_of_a_uid_not_allowed_is_refused_even_with_its_own_session(wor
 
         def probe(uid: int) -> str:
             out = subprocess.run([PY, str(HERE / "hostile.py"), "probe",
-                                  _args(d, "alice", "acme", marker, steal=[sid], **_as(uid))],
+                                  _args(d, "alice", "acme", marker, steal=[sid],
+                                        secret=victim.report["secret"], **_as(uid))],
                                  capture_output=True, text=True, timeout=30, check=False)
             assert out.returncode == 0, out.stderr[-3000:]
             return out.stdout.strip()
@@ -144,7 +151,8 @@ def test_a_process_of_a_uid_not_allowed_is_refused_even_with_its_own_session(wor
         # Refused on the peer credential, before the session id is looked at: a uid that is
         # not allowed, holding the victim's very session id.
         assert probe(STRANGER_UID) == "PERMISSION_DENIED"
-        # An allowed uid holding the id is refused too: the pool went to the victim's uid.
+        # An allowed uid holding the id and its fetch secret is refused too: the pool went
+        # to the victim's uid (tests/security/test_fetch_secret.py: the id alone).
         assert probe(OTHER_UID) == "PERMISSION_DENIED"
     finally:
         victim.close()

@@ -6,7 +6,8 @@ sending 12 MB Steps back to back took another tenant's admit p99 to x15.7. Now t
 call carried are charged to its sender's work budget first (refused for rate once the bucket
 cannot pay them), its refusal is held like a refusal for rate, and the default
 ``server.max_message_bytes`` is the largest request the work bound admits, so gRPC refuses
-anything larger before reading it.
+anything larger before its handler runs (it still reads and discards what the client keeps
+sending: bench/hardening_ab.py measures those bytes).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,8 +114,10 @@ def start(workdir: Path, *, num_blocks: int = 64, lease_ms: int = 10_000,
     tenants_path = workdir / "tenants.yaml"
     tenants_path.write_text(yaml.safe_dump(tenants or TENANTS))
     cfg: dict[str, Any] = {
+        # A short drain: a test that stops its daemon with sessions still attached would wait
+        # out the whole grace; the tests of the drain set their own grace_seconds.
         "server": {"unix_socket": str(workdir / "blockd.sock"), "tcp_address": "127.0.0.1:0",
-                   "handle_socket": str(workdir / "pool.sock"), "grace_seconds": 3.0,
+                   "handle_socket": str(workdir / "pool.sock"), "grace_seconds": 0.2,
                    "check_invariants": True},
         # Live renderings: tests read a counter right after the call that moved it (the
         # default metrics.cache_ms reuses one rendering for a second; tests of it set it).
@@ -128,7 +131,9 @@ def start(workdir: Path, *, num_blocks: int = 64, lease_ms: int = 10_000,
         cfg.setdefault(section, {}).update(values)
     cfg_path = workdir / "blockd.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    launched = spawn(cfg_path, workdir, preexec_fn=preexec_fn)
+    # 60 s: a daemon starts in about a second, but on a 2-core machine running the whole suite
+    # (load average ~10) it was seen not to print its endpoints within the default 30 s.
+    launched = spawn(cfg_path, workdir, preexec_fn=preexec_fn, ready_timeout=60.0)
     return Daemon(launched.proc, launched.endpoints, workdir, tenants_path, launched.lines)
 
 
@@ -178,6 +183,16 @@ class Worker:
                                                 completed_fence=self.fence),
                             metadata=md(self.who))
         return seq
+
+
+def wait_metric(d: Daemon, name: str, at_least: float, timeout: float = 30) -> float:
+    """Poll one series until it reaches ``at_least`` (a wait with a deadline, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = d.metric(name)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
 
 
 def varint(n: int) -> bytes:

@@ -26,7 +26,10 @@ def ctl(daemon, *args: str, token: str = "admin", check: bool = True):  # type: 
 
 
 def test_stats_tenants_inspect_watch_flush(daemon) -> None:  # type: ignore[no-untyped-def]
-    w = Worker(daemon.stub("unix"), "carol", "initech")
+    # A lease no run of blockctl outlasts (each is a new Python process: seconds apiece on a
+    # loaded machine, while this session sends nothing; the default 10 s ran out in a full
+    # suite and the release below met an expired session).
+    w = Worker(daemon.stub("unix"), "carol", "initech", lease_ms=300_000)
     a = w.admit([811, 812, 813, 814, 815, 816])
     w.step(commit(a.sequence_id), append(a.sequence_id, [817]))
     w.step(completed=w.fence)

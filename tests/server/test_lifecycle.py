@@ -38,7 +38,8 @@ def test_lease_expiry_reclaims_a_silent_sessions_blocks(tmp_path) -> None:  # ty
 
 
 def test_sigterm_drains_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    d = start(tmp_path / "term", extra={"server": {"grace_seconds": 2.0}})
+    # A grace far longer than any wait below: an exit within it is the last detach's doing.
+    d = start(tmp_path / "term", extra={"server": {"grace_seconds": 600.0}})
     stub = d.stub("unix")
     health = health_pb2_grpc.HealthStub(d.channel("tcp"))
     w = Worker(stub, "alice", "acme")
@@ -53,10 +54,8 @@ def test_sigterm_drains_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-de
     with pytest.raises(grpc.RpcError) as info:  # new sessions are refused
         Worker(stub, "bob", "globex")
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    t0 = time.monotonic()
     w.stub.Detach(pb.DetachRequest(session_id=w.sid), metadata=md("alice"))
-    assert d.proc.wait(10) == 0  # the last session detached: the daemon stops before the grace
-    assert time.monotonic() - t0 < 2.0
+    assert d.proc.wait(60) == 0  # the last session detached: the daemon stops before the grace
     assert "draining" in d.log_text() and "stopped" in d.log_text()
     d.stop()
 

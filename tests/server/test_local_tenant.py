@@ -181,8 +181,10 @@ def test_the_local_tenant_gets_clear_errors_and_nothing_changes(laptop: Daemon) 
 
 def test_a_tenant_cannot_list_inspect_or_flush_another_tenants(daemon: Daemon,
                                                                 tmp_path: Path) -> None:
-    a = Worker(daemon.stub(), "alice", "acme")
-    b = Worker(daemon.stub(), "bob", "globex")
+    # Leases no run of blockctl outlasts (a new Python process each, seconds apiece under
+    # load, while these sessions send nothing: the default 10 s ran out in a full suite).
+    a = Worker(daemon.stub(), "alice", "acme", lease_ms=300_000)
+    b = Worker(daemon.stub(), "bob", "globex", lease_ms=300_000)
     prompt = list(range(4000, 4010))
     live_a = cache(a, prompt, keep=True)
     cache(a, list(range(4100, 4110)), keep=False)  # merely cached blocks too

@@ -308,3 +308,57 @@ def test_a_closed_revoked_session_still_says_why_after_restarts(tmp_path: Path) 
         assert "tenant 'acme' was removed" in details, details
     finally:
         d.stop()
+
+
+def test_a_detached_sessions_next_call_says_so_and_never_reattaches(tmp_path: Path) -> None:
+    """Two holders of one session (vLLM's worker and scheduler side): after one detaches it,
+    the other's Heartbeat, Step and Lookup are FAILED_PRECONDITION on ``session_id`` saying it
+    was detached, so a ``blockd_client`` session does not re-attach (it does on NOT_FOUND: a
+    reaped session) and the daemon holds no session. Another credential naming the id gets the
+    unknown id's NOT_FOUND. A session the lease reaped is still re-attached."""
+    from blockd_client import Client
+    from blockd_client.errors import BlockdError
+    from blockd_gpu import KvLayout
+
+    layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+    with start(tmp_path / "d", tenants=_file(), lease_ms=30_000) as d:
+        client = Client(f"unix:{d.endpoints['unix']}", token=TOKENS["alice"])
+        try:
+            session = client.attach("acme", layout, worker_name="engine", map_pool=False)
+            assert _stats(d).num_sessions == 1
+            d.stub().Detach(pb.DetachRequest(session_id=session.session_id), metadata=md("alice"))
+            with pytest.raises(BlockdError) as info:
+                session.heartbeat()
+            assert info.value.status == grpc.StatusCode.FAILED_PRECONDITION
+            assert info.value.field == "session_id" and "detached" in info.value.message
+            stub, sid, epoch = d.stub(), session.session_id, session.epoch
+            calls = {
+                "Step": lambda who: stub.Step(pb.StepRequest(
+                    session_id=sid, epoch=epoch, step_id=1), metadata=md(who)),
+                "Lookup": lambda who: stub.Lookup(pb.LookupRequest(
+                    session_id=sid, epoch=epoch, namespace=NS, token_ids=[1, 2]),
+                    metadata=md(who)),
+                "Heartbeat": lambda who: stub.Heartbeat(pb.HeartbeatRequest(
+                    session_id=sid, epoch=epoch), metadata=md(who)),
+            }
+            for name, call in calls.items():
+                code, details = _code(lambda c=call: c("alice"))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION, (name, details)
+                assert details.startswith("session_id: ") and "detached" in details
+                code, details = _code(lambda c=call: c("alice2"))
+                assert code == grpc.StatusCode.NOT_FOUND, (name, details)
+                assert "detached" not in details
+            assert _stats(d).num_sessions == 0  # nobody re-attached
+            # A reaped session (no Detach) is re-attached by the client, as before.
+            reaped = client.attach("acme", layout, worker_name="engine", map_pool=False,
+                                   lease_ms=300)
+            old = reaped.session_id
+            deadline = time.monotonic() + 10
+            while _stats(d).num_sessions and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(BlockdError) as info:
+                reaped.heartbeat()
+            assert type(info.value).__name__ == "EpochChanged"
+            assert _stats(d).num_sessions == 1 and reaped.session_id != old
+        finally:
+            client.close()

@@ -230,7 +230,8 @@ def test_a_slow_handle_client_neither_blocks_others_nor_lingers(tmp_path: Path) 
         slow.connect(path)
         slow.send(b"{")  # half a request, never finished
         time.sleep(0.1)
-        header, fds = fetch_handles(path, w.sid, timeout=5)  # served beside the slow one
+        # Served beside the slow one:
+        header, fds = fetch_handles(path, w.sid, w.att.fetch_secret, timeout=5)
         for fd in fds:
             os.close(fd)
         assert header is not None

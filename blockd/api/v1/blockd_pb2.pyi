@@ -125,20 +125,22 @@ class AttachRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., tenant_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_ms: _Optional[int] = ..., resume_session_id: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "lease_ms", "pool", "tenant_id", "sharing_domain_kind")
+    __slots__ = ("session_id", "epoch", "lease_ms", "pool", "tenant_id", "sharing_domain_kind", "fetch_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     SHARING_DOMAIN_KIND_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     lease_ms: int
     pool: PoolInfo
     tenant_id: str
     sharing_domain_kind: SharingDomainKind
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ms: _Optional[int] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., tenant_id: _Optional[str] = ..., sharing_domain_kind: _Optional[_Union[SharingDomainKind, str]] = ...) -> None: ...
+    fetch_secret: str
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_ms: _Optional[int] = ..., pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., tenant_id: _Optional[str] = ..., sharing_domain_kind: _Optional[_Union[SharingDomainKind, str]] = ..., fetch_secret: _Optional[str] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("session_id",)

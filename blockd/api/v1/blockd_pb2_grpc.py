@@ -117,7 +117,11 @@ class BlockdServiceServicer:
     def Detach(self, request, context):
         """Detach closes a session: every sequence it still holds is released under the session's
         highest issued fence, and the session id becomes invalid. Detaching an unknown, expired or
-        already detached session fails with NOT_FOUND (5).
+        already detached session fails with NOT_FOUND (5). A later Heartbeat, Step or Lookup of the
+        detaching credential naming the session fails with FAILED_PRECONDITION (9), field
+        session_id, "the session was detached" (the last 4096 detached sessions; older ones, and
+        every other credential, get NOT_FOUND (5)): another holder of the session (a second process
+        of the same engine) must not re-attach on it, as it would on NOT_FOUND for a reaped session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
