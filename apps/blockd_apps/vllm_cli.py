@@ -156,7 +156,7 @@ def compute_layout(argv: list[str]) -> dict[str, Any]:
                       f"on this machine cannot run it ({problem})")
     pool: dict[str, Any] = {"block_size": shape.block_size, "num_layers": shape.num_layers,
                             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-                            "dtype": shape.dtype, "tp_size": 1}
+                            "dtype": shape.dtype, "tp_size": shape.tp_size}
     if args.pool_num_blocks is not None:
         pool["num_blocks"] = args.pool_num_blocks
     mc = config.model_config

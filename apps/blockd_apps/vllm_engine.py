@@ -51,6 +51,11 @@ def metrics(llm) -> dict[str, float]:
         value = getattr(metric, "value", None)
         if isinstance(value, (int, float)):
             out[metric.name] = out.get(metric.name, 0.0) + float(value)
+        count = getattr(metric, "count", None)  # a histogram: its count and sum
+        if isinstance(count, int):
+            for key, v in ((f"{metric.name}_count", count),
+                           (f"{metric.name}_sum", getattr(metric, "sum", 0.0))):
+                out[key] = out.get(key, 0.0) + float(v)
     return out
 
 
@@ -68,6 +73,7 @@ def main() -> None:
               enable_prefix_caching=spec.get("prefix_caching", False),
               max_model_len=spec.get("max_model_len", 1024),
               max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+              tensor_parallel_size=spec.get("tensor_parallel_size", 1),
               kv_transfer_config=KVTransferConfig(**kv) if kv else None)
     print("READY", flush=True)
     for line in sys.stdin:
@@ -103,13 +109,15 @@ class Engine:
                  prefix_caching: bool = False, env: dict[str, str] | None = None,
                  wait: bool = True, **options: Any) -> None:
         """``options``: more of engine_proc's spec (``max_num_batched_tokens``,
-        ``kv_cache_memory_bytes``, ``max_model_len``). ``wait`` False: return once the process
-        is started; ``ready()`` (and the first ``generate``) waits for the engine, so several
-        engines can start at once."""
+        ``kv_cache_memory_bytes``, ``max_model_len``, ``tensor_parallel_size``). ``wait``
+        False: return once the process is started; ``ready()`` (and the first ``generate``)
+        waits for the engine, so several engines can start at once."""
         spec = {"model": str(model), "kv_transfer_config": kv, "prefix_caching": prefix_caching,
                 **options}
         self.lines: deque[str] = deque(maxlen=400)
         self.results: deque[dict[str, Any]] = deque()
+        #: vLLM's (cumulative) metrics after the last ``generate``.
+        self.last_metrics: dict[str, float] = {}
         self._ready = threading.Event()  # READY seen, or the output ended
         self._up = False  # READY seen
         self._cv = threading.Condition()
@@ -165,7 +173,9 @@ class Engine:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise EngineFailed("the engine died or hung:\n" + self.log())
                 self._cv.wait(1.0)
-            return self.results.popleft()
+            out = self.results.popleft()
+            self.last_metrics = out.get("metrics", {})
+            return out
 
     def stop(self) -> None:
         """Ask a started engine to quit, then kill its process group (one still starting, which

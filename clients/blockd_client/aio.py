@@ -42,7 +42,7 @@ class AsyncClient(Connection):
             from blockd_client.pool import open_pool
 
             pool = await asyncio.to_thread(open_pool, resp.pool.handle_socket_path,
-                                           resp.session_id)
+                                           resp.session_id, resp.fetch_secret)
         return AsyncSession(self, SessionState(resp, pool, max_seqs, max_blocks, device))
 
     async def stats(self) -> pb.StatsResponse:

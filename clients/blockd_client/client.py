@@ -6,9 +6,11 @@ and restarted by its supervisor comes back within that), nothing else is: the lo
 ``blockd_client.retry``'s, shared with ``AsyncClient``. A Step keeps its
 step_id across retries, so a Step the daemon applied before the connection dropped is answered
 from its record (also by a daemon that recovered from a crash: it journals every Step before
-answering), never applied twice. When the pool's epoch changes (a daemon without crash
-recovery restarted) the session re-attaches, re-maps the pool and raises ``EpochChanged`` so
-the engine re-admits its requests.
+answering), never applied twice. A Step whose call ended without an answer (a deadline passed:
+the daemon may have applied it) is kept as ``Session.in_doubt``; ``Session.settle()`` sends it
+again with its step_id, which gets its answer either way. When the pool's epoch changes (a
+daemon without crash recovery restarted) the session re-attaches, re-maps the pool and raises
+``EpochChanged`` so the engine re-admits its requests.
 
 The credential is a ``token`` or a ``token_file`` (default ``$BLOCKD_TOKEN_FILE``), the latter
 read at construction and again when the daemon answers UNAUTHENTICATED, so a rotated Kubernetes
@@ -25,7 +27,7 @@ import grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd_client.errors import BlockdError, EpochChanged
+from blockd_client.errors import UNANSWERED, BlockdError, EpochChanged
 from blockd_client.requests import layout_proto
 from blockd_client.retry import Credential, RetryPolicy, channel_options
 from blockd_client.session import SessionState, SessionViews, StepOutcome
@@ -109,6 +111,8 @@ class Session(SessionViews):
         self._sizes = (max_seqs, max_blocks, device)
         self.state = self._attach(req)
         self.streamer = StepStreamer(client) if stream else None
+        #: The last Step, when its call ended without an answer (``settle``).
+        self.in_doubt: pb.StepRequest | None = None
 
     def _attach(self, req: pb.AttachRequest) -> SessionState:
         resp = self.client.call(self.client.stub.Attach, req)
@@ -116,7 +120,8 @@ class Session(SessionViews):
         if self._map_pool:
             from blockd_client.pool import open_pool
 
-            pool = open_pool(resp.pool.handle_socket_path, resp.session_id, resp.tenant_id)
+            pool = open_pool(resp.pool.handle_socket_path, resp.session_id, resp.fetch_secret,
+                             resp.tenant_id)
         return SessionState(resp, pool, *self._sizes)
 
     def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
@@ -128,9 +133,33 @@ class Session(SessionViews):
         try:
             resp = self._send(req)
         except BlockdError as err:
+            # An unanswered Step may have been applied: kept for ``settle`` (a later Step
+            # supersedes it: its step_id can no longer be answered).
+            self.in_doubt = req if err.status in UNANSWERED else None
             self._maybe_new_epoch(err)
             raise
+        self.in_doubt = None
         return self.state.apply(ops, resp)
+
+    def settle(self) -> StepOutcome | None:
+        """The answer of ``in_doubt``, the last Step, whose call ended without one (None when
+        there is none): sent again with its step_id, it is answered from the daemon's record
+        if the daemon applied it, and applied now if it never arrived, so it applies exactly
+        once either way. Call it before the next ``step`` once the daemon answers again; the
+        outcome tells what the lost answer said (e.g. the sequences its admits created, which
+        only this answer names). Raises like ``step``; it stays in doubt while unanswered."""
+        req = self.in_doubt
+        if req is None:
+            return None
+        try:
+            resp = self._send(req)
+        except BlockdError as err:
+            if err.status not in UNANSWERED:
+                self.in_doubt = None  # refused: not applied, and never will be
+            self._maybe_new_epoch(err)
+            raise
+        self.in_doubt = None
+        return self.state.apply(list(req.operations), resp, fence=req.fence)
 
     def _send(self, req: pb.StepRequest) -> pb.StepResponse:
         if self.streamer is None:
@@ -203,5 +232,6 @@ class Session(SessionViews):
         req.CopyFrom(self._attach_req)
         req.resume_session_id = self.session_id
         self._close_pool()
+        self.in_doubt = None  # of the old session: its sequences are gone
         self.state = self._attach(req)
         raise EpochChanged(old, self.epoch) from err

@@ -5,7 +5,7 @@ The CUDA twin of ``blockd_client.pool.PoolView`` (same public surface). The daem
 exports each as a POSIX file descriptor; the descriptors reach this process over the daemon's
 handle socket (SCM_RIGHTS), so no file name, hostIPC or hostPID is involved.
 
-The header (``blockd.wire.HandleHeader``, parsed and checked by ``blockd_client.handles``)
+The header (``blockd.handle_wire.HandleHeader``, parsed and checked by ``blockd_client.handles``)
 carries the layout plus the cuda fields: ``devices`` (the daemon's ordinals, one per shard),
 ``shard_bytes`` (size of each allocation), ``granularity`` and, when present, ``device_uuids``
 (hex; used to find the same GPUs when this process numbers its devices differently, e.g.
@@ -43,7 +43,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from blockd import cudadrv, wire
+from blockd import cudadrv, handle_wire
 from blockd_client.handles import fetch_handles
 from blockd_client.views import MappedPool
 
@@ -189,7 +189,7 @@ def _local_devices(drv: Any, uuids: Sequence[str], devices: list[int]) -> list[i
 class CudaPoolView(MappedPool):
     """The imported CUDA pool (one mapping per shard) plus this session's fence page."""
 
-    def __init__(self, header: wire.HandleHeader, fds: list[int]) -> None:
+    def __init__(self, header: handle_wire.HandleHeader, fds: list[int]) -> None:
         """Import and map every shard (closes the fds: the mappings keep the memory)."""
         try:
             self._open(header, fds)
@@ -198,12 +198,13 @@ class CudaPoolView(MappedPool):
                 os.close(fd)
 
     @classmethod
-    def connect(cls, handle_socket: str, session_id: str) -> CudaPoolView:
-        """Fetch a session's header and descriptors from the daemon's handle socket."""
-        header, fds = fetch_handles(handle_socket, session_id)
+    def connect(cls, handle_socket: str, session_id: str, fetch_secret: str) -> CudaPoolView:
+        """Fetch a session's header and descriptors from the daemon's handle socket
+        (``fetch_secret``: the session's AttachResponse's)."""
+        header, fds = fetch_handles(handle_socket, session_id, fetch_secret)
         return cls(header, fds)
 
-    def _open(self, header: wire.HandleHeader, fds: list[int]) -> None:
+    def _open(self, header: handle_wire.HandleHeader, fds: list[int]) -> None:
         if header.backend != "cuda":
             raise ConnectionError(f"pool backend {header.backend!r} is not 'cuda': use "
                                   f"blockd_client.pool.PoolView for the host pool")

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import grpc
 
+#: Statuses after which a call's fate is unknown: the daemon may have applied it and its answer
+#: was lost (a deadline passed, a connection dropped, the call was cancelled), or never got it.
+UNANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+
 
 class BlockdError(Exception):
     """A call to blockd failed. ``status`` is the gRPC status; ``field`` the request field at

@@ -1,7 +1,10 @@
 """Stream-ordered fence publishing: the worker's CUDA stream writes the fence page itself.
 
-A session's fence page (``blockd.wire``: ``FENCE_PAGE_BYTES``, a little-endian u64 at offset 0)
-is host memory the daemon polls. ``FencePublisher`` writes it in one of three ways:
+A session's fence page (``blockd.wire``: ``FENCE_PAGE_BYTES``, one little-endian u64 slot per
+tensor-parallel shard of the pool, at offset ``8 * rank``) is host memory the daemon polls; the
+session's fence is the lowest slot. A worker that owns every shard writes every slot; one rank's
+worker of a tensor-parallel engine writes its own (``slots``), so a step's blocks count as done
+only once every rank published. ``FencePublisher`` writes its slots in one of three ways:
 
 * ``publish(fence)``: now, from the host (the GPU work the fence covers is known to be done, or
   there is none: CPU tensors).
@@ -37,7 +40,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from blockd import cudadrv, wire
@@ -158,15 +161,20 @@ class FencePublisher:
     """Publishes one session's fences into its mapped fence page (see the module docstring)."""
 
     def __init__(self, page: mmap.mmap, loader: Callable[[], Any] = cudadrv.driver, *,
-                 stream_writes: bool = True) -> None:
+                 stream_writes: bool = True, slots: Sequence[int] = (0,)) -> None:
         """``page``: the mapped fence page. ``loader``: returns cuda-python's driver module
         (called on the first stream publish only). ``stream_writes`` False: always the host
-        function, even where cuStreamWriteValue64 would work."""
+        function, even where cuStreamWriteValue64 would work. ``slots``: the page's slots this
+        publisher writes (its ranks' shards)."""
         self._page = page
+        self.slots = tuple(slots)
+        if not self.slots or any(not 0 <= r < wire.MAX_FENCE_SLOTS for r in self.slots):
+            raise ValueError(f"slots: each in 0..{wire.MAX_FENCE_SLOTS - 1}, at least one; "
+                             f"got {list(self.slots)}")
         self._loader = loader
         self._stream_writes = stream_writes
         #: Highest fence handed over (written now, or enqueued on a stream).
-        self.highest = wire.read_fence(page)
+        self.highest = self.published
         #: Highest fence enqueued on a stream (0: none).
         self._queued = 0
         self._reg: _Registration | None = None
@@ -178,7 +186,7 @@ class FencePublisher:
     def published(self) -> int:
         """The value in the page now (what the daemon reads; lags ``highest`` while a stream
         write is queued)."""
-        return wire.read_fence(self._page)
+        return min(wire.read_fence(self._page, r) for r in self.slots)
 
     @property
     def pending(self) -> bool:
@@ -202,7 +210,8 @@ class FencePublisher:
                 f"fence {fence}: fence {self._queued} is still queued on a CUDA stream and would "
                 f"overwrite it; publish {fence} on that stream (publish_on_stream) or after "
                 f"synchronizing it")
-        wire.write_fence(self._page, fence)
+        for r in self.slots:
+            wire.write_fence(self._page, fence, r)
         self.highest = fence
         return HOST
 
@@ -217,22 +226,28 @@ class FencePublisher:
         reg = self._register(drv, device)
         with reg.current():
             how = HOST_FUNCTION
-            if reg.stream_writes:
-                err = drv.cuStreamWriteValue64(
-                    cu_stream, reg.dev_ptr, fence,
-                    int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT))[0]
-                if cudadrv.result_name(drv, err) == "CUDA_ERROR_NOT_SUPPORTED":
-                    log.info("cuStreamWriteValue64 is not supported here: fences are written "
-                             "by a host function on the stream")
-                    reg.stream_writes = False
-                else:
-                    cudadrv.check(drv, (err,), "cuStreamWriteValue64")
-                    how = STREAM_WRITE
+            if reg.stream_writes and self._write_on_stream(drv, reg, cu_stream, fence):
+                how = STREAM_WRITE
             if how == HOST_FUNCTION:
                 cudadrv.check(drv, drv.cuLaunchHostFunc(cu_stream, self._host_function(drv),
                                                         fence), "cuLaunchHostFunc")
         self.highest = self._queued = fence
         return how
+
+    def _write_on_stream(self, drv: Any, reg: _Registration, cu_stream: Any, fence: int
+                         ) -> bool:
+        """One cuStreamWriteValue64 per slot; False when the device cannot (nothing enqueued
+        then: the caller falls back to a host function)."""
+        flags = int(drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+        for i, r in enumerate(self.slots):
+            err = drv.cuStreamWriteValue64(cu_stream, int(reg.dev_ptr) + 8 * r, fence, flags)[0]
+            if i == 0 and cudadrv.result_name(drv, err) == "CUDA_ERROR_NOT_SUPPORTED":
+                log.info("cuStreamWriteValue64 is not supported here: fences are written by "
+                         "a host function on the stream")
+                reg.stream_writes = False
+                return False
+            cudadrv.check(drv, (err,), "cuStreamWriteValue64")
+        return True
 
     def _driver(self) -> Any:
         drv, problem = cudadrv.import_problem(self._loader)
@@ -257,11 +272,12 @@ class FencePublisher:
     def _host_function(self, drv: Any) -> Any:
         """The one CUhostFn every fallback launch uses (``userData`` is the fence)."""
         if self._host_fn is None:
-            page = self._page
+            page, slots = self._page, self.slots
 
             def store(fence: int | None) -> None:
-                if fence and fence > wire.read_fence(page):  # never lower the page
-                    wire.write_fence(page, fence)
+                for r in slots:
+                    if fence and fence > wire.read_fence(page, r):  # never lower the page
+                        wire.write_fence(page, fence, r)
 
             self._host_fn, self._thunk = cudadrv.host_function(drv, store)
         return self._host_fn

@@ -17,18 +17,20 @@ import mmap
 import os
 import weakref
 
-from blockd import wire
+from blockd import handle_wire, wire
 from blockd_client.handles import fetch_handles
 from blockd_client.views import MappedPool
 
 __all__ = ["PoolView", "open_pool"]
 
 
-def open_pool(handle_socket: str, session_id: str, tenant_id: str = "") -> MappedPool:
-    """Fetch a session's descriptors and map the pool with the view its backend needs: the
-    pool partition of the session's tenant (``num_blocks`` and every block id the session
-    receives are that partition's; ``blockd.wire``, "Block ids")."""
-    header, fds = fetch_handles(handle_socket, session_id, tenant_id=tenant_id)
+def open_pool(handle_socket: str, session_id: str, fetch_secret: str, tenant_id: str = ""
+              ) -> MappedPool:
+    """Fetch a session's descriptors (``fetch_secret``: its AttachResponse's) and map the pool
+    with the view its backend needs: the pool partition of the session's tenant
+    (``num_blocks`` and every block id the session receives are that partition's;
+    ``blockd.wire``, "Block ids")."""
+    header, fds = fetch_handles(handle_socket, session_id, fetch_secret, tenant_id=tenant_id)
     if header.backend == "cuda":
         from blockd_client.cuda_view import CudaPoolView  # cuda-python only when needed
 
@@ -39,7 +41,7 @@ def open_pool(handle_socket: str, session_id: str, tenant_id: str = "") -> Mappe
 class PoolView(MappedPool):
     """A mapped host pool plus this session's fence page."""
 
-    def __init__(self, header: wire.HandleHeader, fds: list[int]) -> None:
+    def __init__(self, header: handle_wire.HandleHeader, fds: list[int]) -> None:
         """Map a host pool from its handle header and ``[pool fd, fence page fd]`` (closes the
         fds: the mappings keep the memory)."""
         import torch

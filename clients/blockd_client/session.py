@@ -52,6 +52,9 @@ class SessionViews:
     state: SessionState
     session_id: str = _of_state("session_id", "The daemon's id of this session.")
     epoch: int = _of_state("epoch", "The pool's epoch this session was attached in.")
+    fetch_secret: str = _of_state("fetch_secret", "What the handle socket asks for with the "
+                                  "session id (``AttachResponse.fetch_secret``): pass it only "
+                                  "to this session's own workers, never log it.")
     pool: Any = _of_state("pool", "The mapped pool (``PoolView`` or ``CudaPoolView``); None "
                           "with ``map_pool=False``.")
     tables: Any = _of_state("tables", "The local block tables (``BlockTables``).")
@@ -63,6 +66,7 @@ class SessionState:
         self.attach = attach
         self.session_id = attach.session_id
         self.epoch = attach.epoch
+        self.fetch_secret = attach.fetch_secret
         self.block_size = attach.pool.layout.block_size
         self.pool = pool
         self.counter = StepCounter()
@@ -80,8 +84,10 @@ class SessionState:
             self.counter.completed = max(self.counter.completed, self.pool.fences.published)
         return self.counter.completed
 
-    def apply(self, ops: list[pb.Operation], resp: pb.StepResponse) -> StepOutcome:
-        """Bring the local tables and pool up to date with a Step's results."""
+    def apply(self, ops: list[pb.Operation], resp: pb.StepResponse,
+              fence: int | None = None) -> StepOutcome:
+        """Bring the local tables and pool up to date with a Step's results (``fence``: the
+        Step's, when it is not the last one made: a late answer)."""
         tables = self.tables
         for op, res in zip(ops, resp.results, strict=True):
             if res.status.code:
@@ -122,7 +128,7 @@ class SessionState:
                 tables.remove(p.sequence_id)
         if resp.copies and self.pool is not None:
             self.copy_blocks([(c.src_block, c.dst_block) for c in resp.copies])
-        return StepOutcome(resp, self.counter.fence)
+        return StepOutcome(resp, self.counter.fence if fence is None else fence)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Run the copy-on-write copies in every shard (all layers, K and V, one launch)."""

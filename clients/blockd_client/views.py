@@ -18,7 +18,7 @@ import mmap
 import weakref
 from typing import Any
 
-from blockd import wire
+from blockd import handle_wire, wire
 from blockd_client.fences import FencePublisher
 
 __all__ = ["MappedPool"]
@@ -27,7 +27,7 @@ __all__ = ["MappedPool"]
 class MappedPool:
     """Base of the pool views; a subclass maps the shards and fills ``_pools``/``_map_refs``."""
 
-    header: wire.HandleHeader
+    header: handle_wire.HandleHeader
     epoch: int
     #: The ``blockd_gpu.KvLayout`` the pool has (from the header).
     layout: Any
@@ -40,7 +40,7 @@ class MappedPool:
     #: Weak references to whatever keeps each shard mapped (see the module NOTE).
     _map_refs: list[weakref.ref[Any]]
 
-    def _adopt(self, header: wire.HandleHeader, fence_fd: int) -> None:
+    def _adopt(self, header: handle_wire.HandleHeader, fence_fd: int) -> None:
         """Take the header's layout and map the fence page (the fd stays the caller's)."""
         from blockd_gpu.layout import KvLayout
 
@@ -54,7 +54,19 @@ class MappedPool:
         self._map_refs = []
         self._fence = mmap.mmap(fence_fd, header.fence_page_bytes, mmap.MAP_SHARED,
                                 mmap.PROT_READ | mmap.PROT_WRITE)
-        self.fences = FencePublisher(self._fence)
+        #: A worker owning every shard publishes every slot (``for_rank`` narrows it).
+        self.fences = FencePublisher(self._fence, slots=range(header.tp_size))
+
+    def for_rank(self, rank: int) -> MappedPool:
+        """This process is tensor-parallel rank ``rank``'s worker: it copies shard ``rank``
+        only and publishes its fences into that rank's slot of the page, so the daemon counts
+        a fence done once every rank published it. Call right after mapping, before any publish."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"rank: {rank} is outside 0..{self.tp_size - 1} (the pool has "
+                             f"tp_size={self.tp_size} shards)")
+        self.fences.close()  # (a publisher of every slot, unused so far)
+        self.fences = FencePublisher(self._fence, slots=(rank,))
+        return self
 
     def kv_pool(self, shard: int = 0) -> Any:
         """The stacked pool of one shard: ``[num_layers, 2, num_blocks, B, H, D]``."""
@@ -65,6 +77,10 @@ class MappedPool:
     def kv_caches(self, shard: int = 0) -> list[tuple[Any, Any]]:
         """Per-layer ``(k_cache, v_cache)`` views, each ``[num_blocks, B, H, D]``."""
         return self.layout.kv_caches(self.kv_pool(shard))
+
+    def session_fence(self) -> int:
+        """The session's fence as the daemon reads it: the lowest slot of every rank."""
+        return wire.read_fences(self._fence, self.tp_size)
 
     def publish_fence(self, fence: int) -> str:
         """Tell the daemon that all GPU work up to ``fence`` is done (an 8-byte store). Call it

@@ -11,8 +11,13 @@ does the copies and publishes the fence (``blockd_vllm.worker``). Enabled with::
                                                          "token_file": "/var/run/blockd/token"}}'
 
 (docs/vllm.md). Loads are synchronous from the scheduler's view (they finish inside the step,
-before attention reads the blocks), saves are reported a step later, so no request is ever
-held back for the cache.
+before attention reads the blocks), saves are reported a step later. The scheduler role never
+waits on blockd: a new request is answered None until its admit (sent with the other admits of
+the same ``schedule()``, off the scheduler thread) is answered, at most a step or two; a request
+that ended with a generated block still to save keeps its vLLM blocks for one more step
+(``request_finished`` answers True, the worker reports it in ``finished_sending``). While
+blockd fetches a prompt's prefix from its remote tier the answer is ``(n, True)``: vLLM's
+async-load path (``blockd_vllm.remote_loads``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class BlockdConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.shape.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker.rank = get_tensor_model_parallel_rank()
         self.worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -85,6 +94,16 @@ class BlockdConnector(KVConnectorBase_V1):
         if isinstance(meta, BlockdMetadata):
             self.worker.save(meta)
 
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose blocks vLLM kept for a save (``request_finished`` True) and whose
+        save ran in this step (vLLM frees their blocks now), and requests answered ``(n, True)``
+        whose loads ran in this step (vLLM schedules them now)."""
+        if self.worker is None:
+            return None, None
+        sent, recving = self.worker.take_finished()
+        return sent or None, recving or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_failed() if self.worker is not None else set()
 
@@ -92,15 +111,25 @@ class BlockdConnector(KVConnectorBase_V1):
         return self.worker.take_report() if self.worker is not None else None
 
     def get_kv_connector_stats(self) -> Any:
-        if self.worker is None:
-            return None
-        stats = BlockdConnectorStats.take(self.worker.counters)
+        """The worker's copies, or (the scheduler role, which vLLM aggregates with them) the
+        scheduler thread's cost: schedules, Steps sent, time in the connector's hooks."""
+        if self.worker is not None:
+            stats = BlockdConnectorStats.take(self.worker.counters)
+        else:
+            stats = self.scheduler.take_stats()
         return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return BlockdConnectorStats(data=dict(data)) if data is not None else \
             BlockdConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from blockd_vllm.stats import BlockdPromMetrics
+
+        return BlockdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """A clean exit detaches the engine's session (blockd releases what it held now, not
@@ -109,8 +138,9 @@ class BlockdConnector(KVConnectorBase_V1):
         own shutdown reaches the scheduler side, which detaches too when it gets there."""
         if self.worker is not None:
             ref = self.worker.pool_ref
+            last = self.worker.retire()  # (tensor parallel: the last rank to retire detaches)
             self.worker.close()
-            if ref is not None and detach_session(self.settings, ref.session_id):
+            if ref is not None and last and detach_session(self.settings, ref.session_id):
                 log.info("blockd_vllm: detached session %s (engine shut down)", ref.session_id)
         if self.scheduler is not None:
             self.scheduler.close()
@@ -122,7 +152,7 @@ class BlockdConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
@@ -138,5 +168,4 @@ class BlockdConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self.scheduler.finished(request)
-        return False, None
+        return self.scheduler.finished(request, block_ids), None

@@ -28,17 +28,20 @@ from blockd import wire
 
 @dataclass(frozen=True)
 class KvShape:
-    """What both sides must agree on (one tensor-parallel rank's share)."""
+    """What both sides must agree on: one tensor-parallel rank's share (``num_kv_heads`` is
+    per rank), and how many ranks there are (the pool's ``tp_size`` shards, one per rank)."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    tp_size: int = 1
 
     def describe(self) -> str:
         return (f"num_layers={self.num_layers} block_size={self.block_size} "
-                f"num_kv_heads={self.num_kv_heads} head_dim={self.head_dim} dtype={self.dtype}")
+                f"num_kv_heads={self.num_kv_heads} head_dim={self.head_dim} dtype={self.dtype}"
+                + (f" tp_size={self.tp_size}" if self.tp_size != 1 else ""))
 
 
 def engine_shape(vllm_config: Any) -> KvShape:
@@ -46,11 +49,11 @@ def engine_shape(vllm_config: Any) -> KvShape:
     layout`` prints it). A model or setting whose KV cache is not one full-attention block
     table per layer of one shape is refused with the reason (``unsupported_model``)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+    if pc.pipeline_parallel_size != 1 or getattr(pc, "decode_context_parallel_size", 1) != 1:
         raise ValueError(
-            f"blockd_vllm: tensor_parallel_size={pc.tensor_parallel_size} and "
-            f"pipeline_parallel_size={pc.pipeline_parallel_size}: this connector supports one "
-            f"worker per engine (1 and 1) for now (docs/vllm.md, limits)")
+            f"blockd_vllm: pipeline_parallel_size={pc.pipeline_parallel_size}: this connector "
+            f"supports tensor parallelism (each rank its shard of the pool), not pipeline or "
+            f"context parallelism (docs/vllm.md, limits)")
     why = unsupported_model(mc)
     if why:
         raise ValueError(f"blockd_vllm: model {mc.model!r} is refused: {why}")
@@ -64,7 +67,7 @@ def engine_shape(vllm_config: Any) -> KvShape:
                          f"pool holds ({', '.join(wire.DTYPES)}): {err.problem}") from None
     return KvShape(num_layers=mc.get_num_layers(pc), block_size=cc.block_size,
                    num_kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
-                   dtype=dtype)
+                   dtype=dtype, tp_size=pc.tensor_parallel_size)
 
 
 #: ``layer_types`` spellings of a full-attention layer (vLLM's own spellings, and the
@@ -153,4 +156,7 @@ def copy_blocks(dst: Any, dst_ids: Any, src: Any, src_ids: Any) -> None:
     gathered = src.index_select(0, src_ids)
     if gathered.device != dst.device:
         gathered = gathered.to(dst.device, non_blocking=True)
-    dst[dst_ids] = gathered
+    # index_copy_ rather than ``dst[dst_ids] = gathered``: the scatter into a strided view
+    # without building an advanced-indexing assignment (faster here; not benchmarked in
+    # bench/).
+    dst.index_copy_(0, dst_ids, gathered)

@@ -5,8 +5,10 @@ not fix, such as a bad token, a foreign tenant or a layout mismatch, refuses to 
 key and both values named), makes every call with a short deadline, and turns failures into
 states instead of exceptions: *degraded* while blockd does not answer (tried again every
 ``retry_interval_s``), a re-attached session after an epoch change. Its owner hears about both
-(``Listener``) and gets a periodic ``tick`` on the heartbeat thread, under the same lock as
-every call, which also keeps the lease while the engine is idle.
+(``Listener``) and gets a periodic ``tick`` on the heartbeat thread, which also keeps the lease
+while the engine is idle. ``lock`` serializes every call of the session (the outbox's, the
+heartbeat thread's); the listener is called with it held and takes its own lock after it, never
+the other way round (``blockd_vllm.outbox``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd_client import BlockdError, Client, EpochChanged
+from blockd_client import BlockdError, Client, EpochChanged, StepOutcome
+from blockd_client.errors import UNANSWERED
 from blockd_vllm.layout import KvShape
 from blockd_vllm.settings import Settings
 
@@ -30,9 +33,9 @@ T = TypeVar("T")
 
 #: How often the heartbeat thread ticks (seconds).
 TICK_S = 0.05
-#: Statuses that mean "blockd is not reachable now" (degrade, try again later).
-UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
+#: Statuses that mean "blockd is not reachable now" (degrade, try again later): the call went
+#: unanswered, and a Step may have been applied all the same (``Session.settle``).
+UNREACHABLE = UNANSWERED
 #: Statuses at start that a retry will not fix: refuse to start.
 FATAL_AT_START = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
@@ -85,7 +88,7 @@ def detach_session(settings: Settings, session_id: str) -> bool:
     """Close ``session_id`` (an engine's session) from any process that has the engine's
     settings; False when blockd did not answer or the session is gone already."""
     client = Client(settings.target, token_file=settings.token_file,
-                    timeout=min(settings.rpc_timeout_s, 2.0), retries=1, backoff=0.02,
+                    timeout=settings.rpc_timeout_s, retries=1, backoff=0.02,
                     reconnect_s=0.0)
     try:
         client.call(client.stub.Detach, pb.DetachRequest(session_id=session_id))
@@ -99,6 +102,7 @@ def detach_session(settings: Settings, session_id: str) -> bool:
 
 class Listener(Protocol):
     def lost(self) -> None: ...
+    def late_answer(self, outcome: StepOutcome) -> None: ...
     def epoch_changed(self, err: EpochChanged) -> None: ...
     def tick(self) -> bool: ...
 
@@ -112,6 +116,9 @@ class Link:
         self.listener: Listener | None = None
         self._down_since: float | None = None
         self._next_try = 0.0
+        #: Why blockd ended the session for good ("" while it lasts): its worker detached it
+        #: (the engine is shutting down) or a tenants reload revoked it. No call is made then.
+        self.ended = ""
         #: Counts blockd's comebacks and epoch changes (``PoolRef.generation``).
         self.generation = 0
         self.client = Client(settings.target, token_file=settings.token_file,
@@ -131,7 +138,8 @@ class Link:
     def _attach_at_start(self) -> Any:
         try:
             session = until_answered(self.settings, lambda: self.client.attach(
-                self.settings.tenant, kv_layout(self.shape), map_pool=False,
+                self.settings.tenant, kv_layout(self.shape), tp_size=self.shape.tp_size,
+                map_pool=False,
                 worker_name=self.settings.worker_name, lease_ms=self.settings.lease_ms))
         except BlockdError as err:
             self.client.close()  # the engine is ending: leave no channel behind
@@ -148,14 +156,14 @@ class Link:
 
     @property
     def degraded(self) -> bool:
-        return self._down_since is not None
+        return self._down_since is not None or bool(self.ended)
 
     def call(self, fn: Any, *args: Any) -> Any:
         """One session call; None when blockd is unreachable (the link degrades), the epoch
         changed (the session re-attached) or blockd refused it (counted, said once per kind):
         the cache never fails a request."""
         with self.lock:
-            if self._down_since is not None and not self._try_again():
+            if self.ended or (self._down_since is not None and not self._try_again()):
                 return None
             try:
                 return fn(*args)
@@ -163,8 +171,8 @@ class Link:
                 self._new_epoch(err)
             except BlockdError as err:
                 if err.status in UNREACHABLE:
-                    self._go_down(err)
-                else:
+                    self._go_down(err, getattr(fn, "__name__", "a call"))
+                elif not self._end(err):
                     key = f"rpc_{err.status.name.lower()}"
                     self.counters[key] += 1
                     if self.counters[key] == 1:
@@ -185,6 +193,24 @@ class Link:
             self.counters["reconnect_failures"] += 1
             log.debug("blockd_vllm: blockd still unreachable: %s", err)
             return False
+        late = None
+        try:
+            # The Step that went unanswered may have been applied: its answer first (before
+            # any new Step supersedes it), e.g. the sequences its admits created.
+            late = self.session.settle()
+        except EpochChanged as err:
+            self._new_epoch(err)
+        except BlockdError as err:
+            if err.status in UNREACHABLE:
+                self.counters["reconnect_failures"] += 1
+                return False
+            if self._end(err):
+                return False
+            log.warning("blockd_vllm: blockd refused the unanswered Step sent again (%s)", err)
+        if late is not None:
+            self.counters["late_answers"] += 1
+            if self.listener is not None:
+                self.listener.late_answer(late)
         down = now - (self._down_since or now)
         self._down_since = None
         self.generation += 1
@@ -192,16 +218,31 @@ class Link:
                     self.settings.target, down)
         return True
 
-    def _go_down(self, err: BlockdError) -> None:
+    def _go_down(self, err: BlockdError, what: str) -> None:
         if self._down_since is None:
             self._down_since = time.monotonic()
             self._next_try = self._down_since + self.settings.retry_interval_s
             self.counters["degraded_episodes"] += 1
-            log.warning("blockd_vllm: blockd at %s unreachable (%s): requests are computed "
-                        "without the cache until it answers again", self.settings.target,
-                        err.status.name)
+            log.warning("blockd_vllm: blockd at %s unreachable (%s on %s: %s): requests are "
+                        "computed without the cache until it answers again",
+                        self.settings.target, err.status.name, what, err.message)
         if self.listener is not None:
             self.listener.lost()
+
+    def _end(self, err: BlockdError) -> bool:
+        """Whether ``err`` says blockd ended the session for good (FAILED_PRECONDITION on
+        ``session_id``: detached by the engine's worker at shutdown, or revoked by a tenants
+        reload). Re-attaching would leave a session nobody detaches; every later request is
+        computed without the cache."""
+        if err.status != grpc.StatusCode.FAILED_PRECONDITION or err.field != "session_id":
+            return False
+        if not self.ended:
+            self.ended = err.message
+            self._stop.set()
+            log.log(logging.INFO if "detached" in err.message else logging.WARNING,
+                    "blockd_vllm: blockd ended the session (%s): requests are computed "
+                    "without the cache", err.message)
+        return True
 
     def _new_epoch(self, err: EpochChanged) -> None:
         self.counters["epoch_changes"] += 1
@@ -234,7 +275,9 @@ class Link:
                 self._new_epoch(err)
             except BlockdError as err:
                 if err.status in UNREACHABLE:
-                    self._go_down(err)
+                    self._go_down(err, "heartbeat")
+                else:
+                    self._end(err)
             except Exception:  # never let the thread die silently
                 log.exception("blockd_vllm: heartbeat failed")
             finally:
@@ -244,7 +287,7 @@ class Link:
         self._stop.set()
         with self.lock:
             try:
-                if self._down_since is None:
+                if self._down_since is None and not self.ended:
                     self.session.detach()
             except BlockdError:
                 pass

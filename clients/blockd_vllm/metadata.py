@@ -34,6 +34,9 @@ class PoolRef:
     #: Bumped when blockd came back after an outage: the worker fetches the handles again (a
     #: restarted daemon may have given the same session a new fence page).
     generation: int = 0
+    #: The session's ``AttachResponse.fetch_secret``, which the handle socket asks for with the
+    #: session id (never in a repr: the worker logs refs).
+    fetch_secret: str = field(repr=False, kw_only=True)
 
 
 @dataclass
@@ -51,6 +54,15 @@ class BlockdMetadata(KVConnectorMetadata):
     #: (vLLM block, blockd block) pairs to save once this step computed them.
     save_vllm: list[int] = field(default_factory=list)
     save_blockd: list[int] = field(default_factory=list)
+    #: Requests that ended and whose vLLM blocks vLLM kept for this step's saves: the worker
+    #: reports them in ``finished_sending`` once the saves ran (vLLM frees the blocks then).
+    sent: list[str] = field(default_factory=list)
+    #: Requests answered ``(n, True)`` whose loads (in ``load_*``) are all of this step: the
+    #: worker reports them in ``finished_recving`` once they ran.
+    recv: list[str] = field(default_factory=list)
+    #: vLLM blocks promised to such a request that blockd does not hold (the fetch missed or
+    #: failed): reported as load errors, vLLM recomputes them.
+    load_failed: list[int] = field(default_factory=list)
 
     def has_work(self) -> bool:
         return bool(self.load_vllm or self.save_vllm)

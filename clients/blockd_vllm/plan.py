@@ -4,14 +4,19 @@ A plan covers the request's prompt and, unless ``save_generated`` is off, what i
 every full block of ``request.all_token_ids`` whose K/V vLLM has computed, the blocks vLLM's own
 prefix cache would hash, so the next turn of a conversation (previous prompt + answer + new
 text) hits the previous answer too. The last sampled token never has K/V (it is the input of a
-step that does not come), so a block is saved in the step that computes the K/V of its last
-token, from the request's own vLLM block, while the request runs: nothing waits for vLLM to
-free its blocks at the end.
+step that does not come). In the step that computes the K/V of a block's last token the
+bookkeeping Step appends the block's tokens to blockd's sequence (one append in flight per plan,
+and only once the prompt's Commit went, so an append never holds the prompt back); that Step is
+answered off the scheduler thread, so the block is saved, from the request's own vLLM block,
+in the first step after the answer in which the request runs. A request that ends with such a
+block unsaved keeps its vLLM blocks (``request_finished`` answers True: ``held``) until the step
+that saves them, whose worker reports the request in ``finished_sending``.
 
 The invariant that makes a Commit safe: blockd's sequence holds the prompt and then only whole
-blocks of generated tokens, appended in the step whose saves write them; a Commit (which
-publishes every full block of the sequence) goes only when no save of the plan is unreported,
-so every block it publishes is one a worker reported written.
+blocks of generated tokens; a Commit (which publishes every full block of the sequence) goes
+only when no append is in flight, no appended block is unsaved and no save of the plan is
+unreported, so every block it publishes is one a worker reported written. A plan whose appended
+blocks can no longer be saved (``growth_lost``) publishes nothing more.
 """
 
 from __future__ import annotations
@@ -50,6 +55,17 @@ class Plan:
     num_tokens: int = 0
     #: Leading blocks already in blockd's index (the hit, then what this plan committed).
     committed: int = 0
+    #: Tokens of an append in flight (its Step not answered yet).
+    appending: int = 0
+    #: Blocks appended (in blockd's sequence) whose save is not handed to a step yet.
+    to_save: list[int] = field(default_factory=list)
+    #: The request ended with blocks to save: vLLM keeps its blocks (``vblocks``, holding the
+    #: K/V of ``kv_upto`` tokens) until a step saved them.
+    held: bool = False
+    vblocks: list[int] = field(default_factory=list)
+    kv_upto: int = 0
+    #: Appended blocks that will never be saved: nothing more is committed.
+    growth_lost: bool = False
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or self.num_prompt
@@ -66,8 +82,10 @@ class Plan:
         """The generated tokens to append so that blockd's sequence ends at the last full
         block whose K/V is computed once a step leaves ``end`` tokens computed: only tokens
         vLLM knows now (``all_token_ids``; a speculative or not yet sampled token is not
-        there), only once the prompt is handed out, never a partial block."""
-        if self.request is None or self.failed or self.saved < self.prompt_blocks(B):
+        there), only once the prompt's Commit went and no append is in flight or unsaved,
+        never a partial block."""
+        if (self.request is None or self.failed or self.appending or self.to_save
+                or self.committed < self.prompt_blocks(B)):
             return []
         tokens = self.request.all_token_ids
         upto = min(end, len(tokens)) // B * B
@@ -75,21 +93,28 @@ class Plan:
             return []
         return list(tokens[self.num_tokens:upto])
 
-    def grew(self, count: int, start: int | None, block_ids: list[int], B: int) -> range:
+    def grew(self, count: int, start: int | None, block_ids: list[int], B: int
+             ) -> list[int]:
         """blockd appended ``count`` tokens (its table changed from ``start`` on, when given):
-        the blocks to save now, all of them full."""
+        the blocks to save (``to_save``), all of them full."""
         if start is not None:
             self.table[start:] = block_ids
         self.num_tokens += count
-        blocks = range(self.saved, self.num_tokens // B)
-        self.saved = self.num_tokens // B
-        return blocks
+        self.to_save = list(range(self.saved, self.num_tokens // B))
+        return self.to_save
+
+    def savable(self, computed: int, B: int) -> bool:
+        """Whether vLLM's blocks hold the K/V of every block in ``to_save`` when ``computed``
+        tokens are computed."""
+        return bool(self.to_save) and (self.to_save[-1] + 1) * B <= computed
 
     def decide(self, B: int) -> tuple[bool, bool]:
         """(commit now, done: release and forget) for a plan that is not abandoned."""
-        if self.failed:
+        if self.held or self.appending:
+            return False, False  # the append's answer, or the step saving it, decides
+        if self.failed or self.growth_lost:
             return False, True  # nothing more is published: the save may not have happened
-        if self.pending or not (self.scheduled or self.finished):
+        if self.pending or self.to_save or not (self.scheduled or self.finished):
             return False, False
         whole_prompt = self.saved >= self.prompt_blocks(B)
         # Done: the request ended, or its prompt is in and nothing more will be saved.

@@ -1,75 +1,89 @@
 """The scheduler side: which prompt blocks blockd holds, pins them, and plans loads and saves.
 
 One blockd session per engine (attached at engine start with the KV shape vLLM's config implies,
-so a block-size or layout mismatch refuses to start). Per request:
+so a block-size or layout mismatch refuses to start). vLLM's scheduler thread never waits on
+blockd: every call goes through the ``Outbox`` (``blockd_vllm.outbox``), whose thread makes it
+and applies its answer under this side's lock; the hooks only read and write plans. Per request:
 
-1. ``get_num_new_matched_tokens``: admit the prompt into blockd (one Step). blockd answers with
-   the verified cached prefix (``num_cached_tokens``, full blocks only, never the last prompt
-   token) *and holds references to those blocks*, so nothing can evict them between this lookup
-   and the load; the rest of the prompt gets fresh blocks to save into. The external hit is
-   what blockd holds beyond vLLM's own local hit. With a remote tier on the daemon, the admit
-   may instead be answered "pending" (blockd is fetching the prefix from the cluster): the
-   answer is None, vLLM's scheduler skips the request this step and asks again next step, for
-   at most ``remote_wait_s``; the fetched blocks are then an ordinary hit.
+1. ``get_num_new_matched_tokens``: the first ask queues the prompt's admit and answers None
+   (vLLM skips the request this step and asks again next step); the admits of one
+   ``schedule()`` go out in one Step after it (``blockd_vllm.admits``). The next ask returns the
+   answer (None again while the Step is in flight): blockd's verified cached prefix
+   (``num_cached_tokens``, full blocks only, never the last prompt token), *whose blocks it
+   holds references to*, so nothing can evict them between this answer and the load; the rest
+   of the prompt gets fresh blocks to save into. The external hit is what blockd holds beyond
+   vLLM's own local hit. With a remote tier on the daemon, the admit may be answered "pending"
+   (blockd is fetching the prefix from the cluster): the answer is ``(n, True)``, vLLM's
+   async-load path (``blockd_vllm.remote_loads``): the request waits in
+   ``WAITING_FOR_REMOTE_KVS`` while the admit is asked again each step (at most
+   ``remote_wait_s``), the step after its answer loads what arrived and reports the request
+   in ``finished_recving``, and every promised block that did not arrive is a load error,
+   which vLLM computes.
 2. ``update_state_after_alloc``: the loads, blockd block -> vLLM block for the external tokens.
 3. ``build_connector_meta`` (every step): the saves of prompt blocks this step completes, and
-   one Step RPC for the bookkeeping. Once the workers *reported* every full prompt block saved
-   (``update_connector_output``, a step later), Commit (they join blockd's index when that
-   Step's fence completes). Generated tokens go the same way (``blockd_vllm.plan``): in the
-   step that computes the K/V of a block's last token, the Step appends the block's tokens to
-   the sequence and the step saves it; when the request ends, one more Commit publishes them,
-   then Release (deferred by the same fence, which the worker publishes after the step's
-   copies). A request that finishes before its prompt is saved, or whose save failed, is
-   released without a (further) commit: only bytes a worker reported written are ever hittable.
+   one Step for the bookkeeping, sent asynchronously (its answer is applied when it arrives;
+   the fence a step's metadata names is the latest one blockd answered, so a Step's commits and
+   releases complete after the step following its answer, never earlier than its copies).
+   Once the workers *reported* every full prompt block saved (``update_connector_output``, a
+   step later), Commit (they join blockd's index when that Step's fence completes). Generated
+   tokens go the same way (``blockd_vllm.plan``): in the step that computes the K/V of a
+   block's last token, the Step appends the block's tokens to the sequence, and the first step
+   after its answer saves it; when the request ends, one more Commit publishes them, then
+   Release (deferred by the same fence, which the worker publishes after the step's copies).
+   A request that ends with a block appended and not saved yet keeps its vLLM blocks
+   (``request_finished`` answers True) until the step that saves them, whose worker reports it
+   in ``finished_sending``. A request that finishes before its prompt is saved, or whose save
+   failed, is released without a (further) commit: only bytes a worker reported written are
+   ever hittable.
 
 Faults never change a token and never fail a request: when blockd is unreachable the connector
 is *degraded* (every request computes everything; logged once, counted), and it tries again
 every ``retry_interval_s``; a new epoch drops every plan of the old one (their blocks are gone)
-and carries on with the re-attached session.
+and carries on with the re-attached session. The scheduler thread's cost is counted:
+``schedules``, ``blockd_steps`` (Steps sent) and ``scheduler_ns`` (time spent in this side's
+hooks, lock waits included), reported in vLLM's connector stats (``blockd_vllm.stats``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
-
-import grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd_client import EpochChanged
 from blockd_client import requests as rq
+from blockd_vllm.admits import Admits, Pending
+from blockd_vllm.copies import Copies, Growth
 from blockd_vllm.layout import KvShape
 from blockd_vllm.link import Link
 from blockd_vllm.metadata import BlockdMetadata, PoolRef
 from blockd_vllm.namespace import EngineNamespace
+from blockd_vllm.outbox import Steps
 from blockd_vllm.plan import Plan
+from blockd_vllm.remote_loads import RemoteLoads
 from blockd_vllm.settings import Settings
+from blockd_vllm.stats import BlockdConnectorStats, SchedulerFigures
 
 log = logging.getLogger("blockd_vllm")
 
-class Pending:
-    """``_admit``'s answer while blockd fetches the prompt's prefix from its remote tier."""
+def hook(method: Any) -> Any:
+    """A hook vLLM's scheduler thread calls: run under the side's lock, its time counted."""
+    def run(self: SchedulerSide, *args: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            with self._lock:
+                return method(self, *args)
+        finally:
+            self.counters["scheduler_ns"] += time.perf_counter_ns() - t0
+    run.__doc__ = method.__doc__
+    return run
 
 
-PENDING = Pending()
-
-
-@dataclass
-class Growth:
-    """Generated tokens of one request to append in this step's Step, then save."""
-
-    rid: str
-    plan: Plan
-    tokens: list[int]
-    #: The step saves prompt blocks of the request too (then the workers report it anyway).
-    saves: bool
-
-
-def locked(method: Any) -> Any:
-    """Run ``method`` under the side's lock (the heartbeat thread shares the plans)."""
+def under_lock(method: Any) -> Any:
+    """Run ``method`` under the side's lock (from the link's or the outbox's thread)."""
     def run(self: SchedulerSide, *args: Any) -> Any:
         with self._lock:
             return method(self, *args)
@@ -91,19 +105,20 @@ class SchedulerSide:
         self.to_release: list[str] = []
         #: Requests whose plan may be resolvable at the next step.
         self.dirty: set[str] = set()
-        #: ``step -> requests`` with saves handed out in that step and not reported yet, so
-        #: a save report touches only its own plans.
-        self.saving: dict[int, set[str]] = {}
-        self.step_no = 0
-        #: The last numbered step the workers reported back.
-        self.worker_step = 0
         self.counters: Counter[str] = Counter()
-        #: Requests answered "pending" (a remote fetch), by when they first were.
-        self._waiting: dict[str, float] = {}
-        #: The fence of the last Step blockd answered (the worker publishes no other).
-        self.announced = 0
+        self.copies = Copies(self.B, self.counters)
+        #: The completed fence the heartbeat thread last reported.
+        self._told = 0
+        #: Guards everything above; never held while blockd is called (``blockd_vllm.outbox``).
+        self._lock = threading.RLock()
+        self.admits = Admits(settings, self.namespace, self.B, self.counters,
+                             self._release_unused)
+        self.remote = RemoteLoads(self.B, self.counters)
         self.link = Link(settings, shape, self.counters)
-        self._lock = self.link.lock
+        #: The Steps, off the scheduler thread; ``steps.announced``: the fence of the last one
+        #: blockd answered (the worker publishes no other).
+        self.steps = Steps(self.link, self._lock, self.counters, self._report_done)
+        self.figures = SchedulerFigures()
         self.link.start(self)
 
     @property
@@ -114,8 +129,9 @@ class SchedulerSide:
     def degraded(self) -> bool:
         return self.link.degraded
 
-    # -- what the link tells ------------------------------------------------------------------
+    # -- what the link tells (on the outbox's or the heartbeat thread, the link's lock held) ----
 
+    @under_lock
     def lost(self) -> None:
         """blockd stopped answering. A plan may still owe vLLM its loads (the tokens were
         promised in this very schedule): it is kept, so they run from the worker's mapping
@@ -124,44 +140,60 @@ class SchedulerSide:
         for rid, plan in self.plans.items():
             plan.abandoned = True
             self.dirty.add(rid)
+        self.admits.drop_plans(release=True)
 
+    @under_lock
+    def late_answer(self, outcome: Any) -> None:
+        """The answer of the Step that went unanswered when blockd stopped answering, got once
+        it answers again (``Session.settle``): blockd applied it (then, or now). Its requests
+        were computed without the cache, so the sequences its admits created are released
+        (nothing else names them: left, they would hold their blocks until the session
+        ends); its commits and releases took effect with its fence, announced here."""
+        for res in outcome.results:
+            if not res.status.code and res.WhichOneof("result") == "admit":
+                self.to_release.append(res.admit.sequence_id)
+                self.counters["late_admits_released"] += 1
+        self.steps.announced = max(self.steps.announced, outcome.fence)
+
+    @under_lock
     def epoch_changed(self, err: EpochChanged) -> None:
         log.warning("blockd_vllm: blockd's pool epoch changed (%d -> %d): %d plans abandoned, "
                     "their requests compute what they did not load yet", err.old, err.new,
                     len(self.plans))
-        self.lost()  # loads still run from the old mapping when the worker has it
+        for rid, plan in self.plans.items():  # loads still run from the old mapping
+            plan.abandoned = True
+            self.dirty.add(rid)
+        self.admits.drop_plans(release=False)
         self.to_release.clear()  # sequences of the old epoch no longer exist
         # The new session's fences start again; copies in flight concern the old pool only.
-        self.announced = 0
-        self.worker_step = self.step_no
+        self.steps.announced = 0
+        self._told = 0
+        self.copies.worker_step = self.copies.step_no
 
+    @under_lock
     def tick(self) -> bool:
-        """On the heartbeat thread: finish what an idle engine left; True when a Step went."""
-        flushed = self._flush_if_idle()
+        """On the heartbeat thread: finish what an idle engine left; True when the completed
+        fence moved (the heartbeat then reports it at once)."""
+        if self._idle() and not self.steps.outbox.busy and (self.dirty or self.to_release):
+            ops, releases = self._resolution_ops()
+            if ops:
+                self._send(ops, releases, [], [], 0)
         self._report_done()
-        return flushed
+        done = self.session.state.counter.completed
+        moved, self._told = done > self._told, done
+        return bool(moved)
 
     # -- fences the scheduler side may report itself ---------------------------------------------
 
     def _idle(self) -> bool:
-        """Every step handed to the workers has been reported back: no copy is in flight."""
-        return self.worker_step >= self.step_no
+        return self.copies.idle()
 
     def _report_done(self) -> None:
         """With no copy in flight, every fence announced so far is done: report it with the
         next call (``completed_fence``), so commits and releases of an idle engine complete."""
         if self._idle():
             counter = self.session.state.counter
-            counter.completed = max(counter.completed, self.announced)
-
-    def _flush_if_idle(self) -> bool:
-        """Resolve finished plans now when the engine is idle (else the next step does)."""
-        if not self._idle() or not (self.dirty or self.to_release):
-            return False
-        ops, releases = self._resolution_ops()
-        if ops:
-            self._send(ops, releases)
-        return bool(ops)
+            counter.completed = max(counter.completed, self.steps.announced)
 
     # -- the scheduler interface ---------------------------------------------------------------
 
@@ -175,15 +207,17 @@ class SchedulerSide:
             return False
         return len(tokens) > self.B
 
-    def num_new_matched_tokens(self, request: Any, num_computed: int) -> int | None:
-        """The external hit, or None: blockd is fetching the prompt's prefix from its remote
-        tier, so vLLM's scheduler skips the request this step and asks again."""
-        with self._lock:
-            self._flush_if_idle()  # this engine's own finished commits become hittable
-            return self._matched(request, num_computed)
-
-    def _matched(self, request: Any, num_computed: int) -> int | None:
+    @hook
+    def num_new_matched_tokens(self, request: Any, num_computed: int
+                               ) -> tuple[int | None, bool]:
+        """vLLM's ``(external hit, load asynchronously)``: ``(None, False)`` while blockd has
+        not answered the request's admit (vLLM skips the request this step and asks again);
+        ``(n, True)`` while blockd fetches its prefix from the remote tier
+        (``blockd_vllm.remote_loads``)."""
         rid = request.request_id
+        again = self.remote.asked_again(rid, num_computed)
+        if again is not None:
+            return again, True
         plan = self.plans.get(rid)
         if plan is not None and plan.abandoned:
             # Asked again, so not scheduled since: nothing was loaded; start over.
@@ -193,78 +227,34 @@ class SchedulerSide:
             plan = None
         if plan is None:
             if not self.eligible(request):
-                return 0
-            admitted = self._admit(request)
-            if admitted is PENDING:
-                return None
-            if not isinstance(admitted, Plan):
-                return 0
-            plan = self.plans[rid] = admitted
+                return 0, False
+            if self.degraded and rid not in self.admits.in_flight:
+                self.admits.finished(rid)  # a pending answer of it is let go
+                return 0, False
+            answer = self.admits.ask(request)
+            if answer is None:
+                pending = self.admits.pending(rid)
+                if pending is not None:
+                    n = self.remote.promise(request, pending, num_computed)
+                    if n is not None:
+                        return n, True
+                    self.admits.again(request, wait=False)  # nothing to wait for
+                return None, False
+            if not isinstance(answer, Plan):
+                return answer, False  # compute everything
+            plan = self.plans[rid] = answer
         plan.local_tokens = num_computed
-        return max(0, plan.hit_tokens - num_computed)
+        return max(0, plan.hit_tokens - num_computed), False
 
-    def _admit(self, request: Any) -> Plan | Pending | None:
-        tokens = list(request.prompt_token_ids)
-        ns = self.namespace.for_request(request)
-        rid = request.request_id
-        wait = self._may_wait(rid)
-        resp = self._step([rq.admit(tokens, ns, rid, wait_for_remote=wait)])
-        if resp is None:
-            return None
-        res = resp.results[0]
-        if not res.status.code and res.admit.pending_remote_blocks:
-            self.counters["remote_pending"] += 1
-            return PENDING
-        self._waiting.pop(rid, None)
-        if res.status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
-            # No room for the whole prompt: pin just the cached prefix (loads, no saves).
-            self.counters["admit_no_room"] += 1
-            return self._admit_hit_only(tokens, ns, request.request_id)
-        if res.status.code:
-            self.counters["admit_refused"] += 1
-            log.warning("blockd_vllm: blockd refused request %s: %s (%s); it is computed "
-                        "without the cache", request.request_id, res.status.message,
-                        res.status.field)
-            return None
-        a = res.admit
-        self.counters["admitted"] += 1
-        self.counters["hit_tokens"] += a.num_cached_tokens
-        return Plan(a.sequence_id, self.session.epoch, len(tokens), a.num_cached_tokens,
-                    list(a.block_table), saved=a.num_cached_tokens // self.B,
-                    committed=a.num_cached_tokens // self.B,
-                    session_id=self.session.session_id,
-                    request=request if self.settings.save_generated else None)
+    def _release_unused(self, plan: Plan) -> None:
+        """An admitted plan no request took (it ended first, or blockd went away)."""
+        if plan.epoch == self.session.epoch:
+            self.to_release.append(plan.seq_id)
 
-    def _may_wait(self, rid: str) -> bool:
-        """Whether request ``rid`` may still wait for a remote fetch (``remote_wait_s`` from
-        its first "pending" answer)."""
-        budget = self.settings.remote_wait_s
-        if budget <= 0:
-            return False
-        first = self._waiting.setdefault(rid, time.monotonic())
-        if time.monotonic() - first < budget:
-            return True
-        self.counters["remote_wait_expired"] += 1
-        return False
-
-    def _admit_hit_only(self, tokens: list[int], ns: pb.CacheNamespace, rid: str
-                        ) -> Plan | None:
-        hit = self.link.call(self.session.lookup, ns, tokens)
-        if not hit:
-            return None
-        resp = self._step([rq.admit(tokens[:hit + 1], ns, rid)])
-        if resp is None or resp.results[0].status.code:
-            return None
-        a = resp.results[0].admit
-        self.counters["hit_tokens"] += a.num_cached_tokens
-        # Nothing past the hit is saved: num_prompt is the admitted length.
-        return Plan(a.sequence_id, self.session.epoch, a.num_cached_tokens, a.num_cached_tokens,
-                    list(a.block_table), saved=a.num_cached_tokens // self.B,
-                    committed=a.num_cached_tokens // self.B,
-                    session_id=self.session.session_id)
-
-    @locked
+    @hook
     def after_alloc(self, request: Any, vllm_blocks: list[int], num_external: int) -> None:
+        if self.remote.allocated(request.request_id, vllm_blocks):
+            return  # loaded once blockd has the blocks
         plan = self.plans.get(request.request_id)
         if plan is None or num_external <= 0:
             return
@@ -273,13 +263,17 @@ class SchedulerSide:
         plan.loads = [(vllm_blocks[first + i], plan.table[first + i]) for i in range(count)]
         self.counters["load_blocks"] += count
 
-    @locked
     def build_meta(self, so: Any) -> BlockdMetadata:
+        """This step's metadata (vLLM keeps stepping while it keeps a finished request's
+        blocks, so a held request's append answered late is saved by a later empty step)."""
+        return self._build_meta(so)
+
+    @hook
+    def _build_meta(self, so: Any) -> BlockdMetadata:
+        self.counters["schedules"] += 1
         meta = BlockdMetadata()
         if so.total_num_scheduled_tokens:
-            # Numbered: the workers report it back (an empty step may never reach them).
-            self.step_no += 1
-            meta.step = self.step_no
+            self.copies.number(meta)
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
@@ -288,25 +282,46 @@ class SchedulerSide:
             plan = self.plans.get(rid)
             if plan is None:
                 continue
-            self._plan_copies(meta, rid, plan, computed.get(rid, 0) + n, grow)
+            saves = None if self.block_ids_of is None or self.degraded else \
+                (lambda rid=rid: self.block_ids_of(rid)[0])
+            self.copies.plan(meta, rid, plan, computed.get(rid, 0), n, saves, grow)
             self.dirty.add(rid)
+        self.dirty.update(self.copies.settle_held(meta, self.plans, self.degraded, grow))
         ops, releases = self._resolution_ops()
         appends = [rq.append_batch([g.plan.seq_id for g in grow],
                                    [t for g in grow for t in g.tokens],
                                    [len(g.tokens) for g in grow])] if grow else []
-        if appends or ops:
-            outcome = self._send(appends + ops, releases)
-            if grow:
-                self._grown(meta, grow, outcome)
+        for g in grow:
+            g.plan.appending = len(g.tokens)
+        self.remote.poll(meta, self.admits, self.plans, self.degraded)
+        rids, admits = [], []
+        if so.total_num_scheduled_tokens or not self._finishing():
+            rids, admits = self.admits.take()
+        # else: an otherwise idle engine whose requests just ended (a conversation's next
+        # turn arriving at once) asks after their last saves are reported and committed.
+        if admits and ops and self._idle() and any(o.HasField("commit") for o in ops):
+            # An idle engine's own finished commits become hittable before its new admits:
+            # the admits go in the next Step, which reports this one's fence done.
+            self._send(appends + ops, releases, grow, [], 0)
+            ops, releases, grow, appends = [], [], [], []
+        if appends or ops or admits:
+            self._send(appends + ops + admits, releases, grow, rids, len(admits))
         if self.degraded:
             # Saving into blocks blockd may have lost is pointless (and never committed);
             # loads of blocks the worker maps stay safe (its mapping holds the bytes).
             meta.save_vllm.clear()
             meta.save_blockd.clear()
-        meta.pool = PoolRef(self.session.session_id, self.session.epoch,
-                            self.session.state.attach.pool.handle_socket_path, self.link.generation)
-        meta.fence = self.announced
+        state = self.session.state
+        meta.pool = PoolRef(state.session_id, state.epoch,
+                            state.attach.pool.handle_socket_path, self.link.generation,
+                            fetch_secret=state.fetch_secret)
+        meta.fence = self.steps.announced
         return meta
+
+    def _finishing(self) -> bool:
+        """A request ended with a save still to run or to be reported (its Commit to come)."""
+        return any(p.finished and (p.held or p.pending) and not (p.abandoned or p.failed)
+                   for p in self.plans.values())
 
     def _resolution_ops(self) -> tuple[list[pb.Operation], list[str]]:
         """Commits and releases of every plan that is done, and pending releases."""
@@ -324,73 +339,83 @@ class SchedulerSide:
         self.to_release = []
         return ops, releases
 
-    def _send(self, ops: list[pb.Operation], releases: list[str]) -> Any:
-        epochs = self.counters["epoch_changes"]
-        outcome = self._step(ops)
-        if outcome is None and self.counters["epoch_changes"] == epochs:
-            self.to_release.extend(releases)  # not applied: again once blockd answers
-        return outcome
+    # -- Steps, off the scheduler thread --------------------------------------------------------
 
-    def _plan_copies(self, meta: BlockdMetadata, rid: str, plan: Plan, end: int,
-                     grow: list[Growth]) -> None:
-        """This step's loads of ``plan``, the saves of the prompt blocks it completes (``end``:
-        the tokens computed once this step ran) and, in ``grow``, the generated tokens whose
-        blocks it completes (blockd's blocks for them come with the Step that appends them)."""
-        for v, b in plan.loads:
-            meta.load_vllm.append(v)
-            meta.load_blockd.append(b)
-            meta.load_session.append(plan.session_id)
-        plan.loads = []
-        plan.scheduled = True
-        if self.block_ids_of is None or self.degraded or plan.abandoned:
-            return
-        blocks = plan.prompt_saves(end, self.B)
-        if blocks:
-            self._save_blocks(meta, rid, plan, blocks)
-            plan.saved = blocks.stop
-        tokens = plan.generated(end, self.B)
-        if tokens:
-            grow.append(Growth(rid, plan, tokens, saves=bool(blocks)))
-            self._pending(meta, rid, plan)
+    def _send(self, ops: list[pb.Operation], releases: list[str], grow: list[Growth],
+              rids: list[str], num_admits: int) -> None:
+        """Queue one Step; its answer is applied in order when it arrives."""
+        def then(outcome: Any, new_epoch: bool) -> None:
+            if outcome is None and not new_epoch:
+                self.to_release.extend(releases)  # not applied: again once blockd answers
+            results = outcome.results if outcome is not None else None
+            if grow:
+                self._grown(grow, results[0] if results is not None else None)
+            if rids:
+                asked = self.admits.resend(rids) if outcome is None and new_epoch else rids
+                tail = results[len(results) - num_admits:] if results is not None else None
+                no_room, pending = self.admits.answered(asked, tail, self.session)
+                for request in no_room:
+                    self._hit_only(request)
+                for request, blocks in pending:
+                    self._promise(request, blocks)
+        self.steps.send(ops, then)
 
-    def _save_blocks(self, meta: BlockdMetadata, rid: str, plan: Plan, blocks: range) -> None:
-        vblocks = self.block_ids_of(rid)[0]
-        for j in blocks:
-            meta.save_vllm.append(vblocks[j])
-            meta.save_blockd.append(plan.table[j])
-        self.counters["save_blocks"] += len(blocks)
-        self._pending(meta, rid, plan)
+    def _hit_only(self, request: Any) -> None:
+        """No room for the whole prompt: pin just the cached prefix (loads, no saves)."""
+        tokens = list(request.prompt_token_ids)
+        ns = self.namespace.for_request(request)
+        rid = request.request_id
 
-    def _pending(self, meta: BlockdMetadata, rid: str, plan: Plan) -> None:
-        plan.pending.add(meta.step)
-        self.saving.setdefault(meta.step, set()).add(rid)
+        def call() -> Any:
+            hit = self.link.call(self.session.lookup, ns, tokens)
+            return self.steps.call([rq.admit(tokens[:hit + 1], ns, rid)]) if hit else None
 
-    def _grown(self, meta: BlockdMetadata, grow: list[Growth], outcome: Any) -> None:
-        """The appends of generated tokens answered: save the blocks they completed. An
-        append blockd refused (or a Step that did not apply) ends that request's growth."""
-        ok = outcome is not None and not outcome.results[0].status.code
-        res = outcome.results[0].append_batch if ok else pb.AppendBatchResult()
+        def then(res: Any) -> None:
+            outcome = self.steps.applied(res)[0] if res is not None else None
+            result = outcome.results[0] if outcome is not None else None
+            self.admits.settle(rid, self.admits.hit_only(request, result, self.session))
+
+        self.steps.outbox.put(call, then)
+
+    def _promise(self, request: Any, blocks: int) -> None:
+        """blockd fetches ``blocks`` blocks after its local hit: the tokens it expects to hold
+        (asked off the scheduler thread: a Lookup of the local hit)."""
+        tokens = list(request.prompt_token_ids)
+        ns = self.namespace.for_request(request)
+        full = (len(tokens) - 1) // self.B * self.B
+
+        def then(hit: Any) -> None:
+            promised = min(full, int(hit or 0) + blocks * self.B)
+            self.admits.settle(request.request_id, Pending(promised))
+
+        self.steps.outbox.put(lambda: self.link.call(self.session.lookup, ns, tokens), then)
+
+    def _grown(self, grow: list[Growth], result: Any) -> None:
+        """The appends of generated tokens answered: their blocks are saved by the next step
+        that runs the request. An append blockd refused (or a Step that did not apply) ends
+        that request's growth."""
+        ok = result is not None and not result.status.code
+        res = result.append_batch if ok else pb.AppendBatchResult()
         errors = {e.index for e in res.errors}
         deltas = {d.index: d.delta for d in res.deltas}
         for i, g in enumerate(grow):
             plan = g.plan
+            plan.appending = 0
+            self.dirty.add(g.rid)
             if not ok or i in errors or plan.abandoned:
                 self.counters["generated_refused"] += 1
                 plan.request = None  # its sequence holds what it held; nothing more grows
-                if not g.saves:  # the step saves nothing of it: no report will come
-                    plan.pending.discard(meta.step)
-                    self.saving.get(meta.step, set()).discard(g.rid)
                 continue
             d = deltas.get(i)
-            blocks = plan.grew(len(g.tokens), d.start_index if d is not None else None,
-                               list(d.block_ids) if d is not None else [], self.B)
-            self._save_blocks(meta, g.rid, plan, blocks)
-            self.counters["generated_blocks"] += len(blocks)
+            plan.grew(len(g.tokens), d.start_index if d is not None else None,
+                      list(d.block_ids) if d is not None else [], self.B)
+            if plan.finished and not plan.held:
+                plan.growth_lost = True  # vLLM freed the blocks holding their K/V
 
     def _resolve(self, plan: Plan, ops: list[pb.Operation]) -> bool:
         """Commit and/or release ``plan`` when it is done; True when it is."""
         if plan.abandoned:
-            if not (plan.scheduled or plan.finished):
+            if plan.held or not (plan.scheduled or plan.finished):
                 return False  # vLLM may have been promised its blocks: load them first
             if plan.epoch == self.session.epoch:
                 ops.append(rq.release(plan.seq_id))
@@ -404,46 +429,47 @@ class SchedulerSide:
             ops.append(rq.release(plan.seq_id))
         return done
 
-    @locked
+    @hook
     def saves_reported(self, report: Any) -> None:
         """A step's save report from the workers (``update_connector_output``)."""
-        if report is None:
-            return
-        self.worker_step = max(self.worker_step, report.done)
-        failed: set[str] = set()
-        for step_no in report.ok | report.failed:
-            for rid in self.saving.pop(step_no, ()):
-                plan = self.plans.get(rid)
-                if plan is None or step_no not in plan.pending:
-                    continue  # dropped, or a later plan of the same request
-                plan.pending.discard(step_no)
-                if step_no in report.failed:
-                    failed.add(rid)
-                self.dirty.add(rid)
-        for rid in failed:
-            self.plans[rid].failed = True
-            self.counters["save_failures"] += 1
+        if report is not None:
+            self.dirty |= self.copies.reported(report, self.plans)
 
-    def _step(self, ops: list[pb.Operation]) -> Any:
-        """A Step; its per-operation refusals are counted (the Step itself applied)."""
-        self._report_done()
-        outcome = self.link.call(self.session.step, ops)
-        if outcome is not None:
-            self.announced = outcome.fence
-            for r in outcome.results:
-                if r.status.code:
-                    self.counters["op_refused"] += 1
-        return outcome
-
-    @locked
-    def finished(self, request: Any) -> None:
+    @hook
+    def finished(self, request: Any, block_ids: list[int]) -> bool:
         """The request ended: its plan is released (after a commit, when its saves were all
-        handed out and are reported done) in the next Step."""
-        self._waiting.pop(request.request_id, None)  # aborted while it waited
-        plan = self.plans.get(request.request_id)
-        if plan is not None:
-            plan.finished = True
-            self.dirty.add(request.request_id)
+        handed out and are reported done) in a later Step. True: vLLM keeps the request's
+        blocks (``block_ids``) until steps appended and saved every full block of it whose
+        K/V was computed (``Copies.settle_held``)."""
+        rid = request.request_id
+        self.admits.finished(rid)  # aborted while its admit was asked or in flight
+        if self.remote.finished(rid):
+            return False  # aborted while it waited for a remote fetch
+        plan = self.plans.get(rid)
+        if plan is None:
+            return False
+        plan.finished = True
+        self.dirty.add(rid)
+        kv_upto = int(request.num_computed_tokens)
+        unsaved = bool(plan.appending or plan.to_save)
+        if not (unsaved or plan.generated(kv_upto, self.B)):
+            return False
+        if self.degraded or plan.abandoned or plan.failed:
+            plan.growth_lost = unsaved
+            return False
+        plan.held, plan.vblocks, plan.kv_upto = True, list(block_ids), kv_upto
+        self.counters["held_requests"] += 1
+        return True
+
+    @under_lock
+    def take_stats(self) -> BlockdConnectorStats:
+        """The scheduler thread's figures since the last call (``blockd_vllm.stats``)."""
+        return self.figures.take(self.counters)
+
+    def settle(self, timeout: float = 10.0) -> bool:
+        """Wait until every call queued so far is answered and applied (tests, shutdown)."""
+        return self.steps.outbox.wait_idle(timeout)
 
     def close(self) -> None:
+        self.steps.outbox.close(timeout=self.settings.rpc_timeout_s * 2)
         self.link.close()

@@ -39,10 +39,10 @@ class Settings:
     lease_ms: int = 0
     #: A display name for the session in blockd's logs and ListSequences.
     worker_name: str = "vllm"
-    #: With a remote tier on the daemon: how long a new request may wait in vLLM's queue
-    #: (the scheduler skips it and asks again next step; it never blocks) while blockd
-    #: fetches its prefix from the cluster; then it goes ahead with what arrived (0: never
-    #: wait, admit the local hit at once).
+    #: With a remote tier on the daemon: how long a new request may wait in vLLM's
+    #: ``WAITING_FOR_REMOTE_KVS`` (an async load: the scheduler never blocks) while blockd
+    #: fetches its prefix from the cluster; then it goes ahead with what arrived, the rest
+    #: computed (0: never wait, admit the local hit at once).
     remote_wait_s: float = 1.0
     #: Save and commit the full blocks of generated tokens too (prompt + answer, as vLLM's
     #: own prefix cache hashes them), so the next turn of a conversation hits the previous

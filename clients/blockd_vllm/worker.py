@@ -16,8 +16,9 @@ Per step, with the step's metadata bound:
   is published in that same order (``MappedPool.publish_fence_on_stream``): at once on CPU
   tensors, by the GPU itself on CUDA, so no thread waits and no device-wide sync is made.
 
-A load that cannot run (the pool cannot be mapped) reports its vLLM blocks through
-``get_block_ids_with_load_errors``; vLLM then recomputes them (the connector sets vLLM's
+A load that cannot run (the pool cannot be mapped), or a block promised to an async load that
+blockd does not hold (``load_failed``), is reported through ``get_block_ids_with_load_errors``;
+vLLM then recomputes them (the connector sets vLLM's
 ``kv_load_failure_policy`` to ``recompute``), so a fault never changes a token.
 """
 
@@ -31,6 +32,10 @@ from blockd_vllm.layout import KvShape, block_view, copy_blocks, pool_view
 from blockd_vllm.metadata import BlockdMetadata, PoolRef, SaveReport
 
 log = logging.getLogger("blockd_vllm")
+
+#: A fence-page value at or above every fence a session can be issued (the daemon reads it
+#: clamped to those issued: "all done").
+ALL_ISSUED = 2**64 - 1
 
 
 def block_ids(ids: list[int], device: Any) -> Any:
@@ -74,7 +79,15 @@ class WorkerSide:
         self.pool_ref: PoolRef | None = None
         self.failed_blocks: set[int] = set()
         self.report = SaveReport()
+        #: Ended requests whose saves ran (``BlockdMetadata.sent``), for ``finished_sending``;
+        #: requests whose async loads ran (``BlockdMetadata.recv``), for ``finished_recving``.
+        self.sent: set[str] = set()
+        self.recving: set[str] = set()
         self.counters: Counter[str] = Counter()
+        #: This worker's tensor-parallel rank: it copies shard ``rank`` of the pool and
+        #: publishes its fences into slot ``rank`` of the page (``MappedPool.for_rank``), so a
+        #: step's blocks are done for blockd once every rank's copies are.
+        self.rank = 0
         self._events: dict[str, Any] = {}
         self._side_stream: Any = None
 
@@ -108,7 +121,7 @@ class WorkerSide:
         if old is not None:
             old.close()
         try:
-            pool = open_pool(ref.handle_socket, ref.session_id)
+            pool = open_pool(ref.handle_socket, ref.session_id, ref.fetch_secret)
         except (OSError, ConnectionError, ValueError) as err:
             self.counters["map_failures"] += 1
             log.warning("blockd_vllm: cannot map blockd's pool for session %s (%s): its loads "
@@ -121,6 +134,8 @@ class WorkerSide:
             log.error("blockd_vllm: blockd's pool does not match vLLM's KV cache: %s",
                       mismatch)
             return False
+        if self.shape.tp_size > 1:
+            pool.for_rank(self.rank)
         self.pool, self.pool_ref = pool, ref
         return True
 
@@ -129,12 +144,21 @@ class WorkerSide:
         want = self.shape
         got = KvShape(num_layers=lay.num_layers, block_size=lay.block_size,
                       num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
-                      dtype=str(lay.dtype).removeprefix("torch."))
+                      dtype=str(lay.dtype).removeprefix("torch."), tp_size=pool.tp_size)
         return "" if got == want else f"pool {got.describe()}, vLLM {want.describe()}"
 
     # -- a step --------------------------------------------------------------------------------
 
     def start_load(self, meta: BlockdMetadata) -> None:
+        try:
+            self._start_load(meta)
+        finally:
+            # Async loads: what blockd did not hold is recomputed; the requests go on.
+            self.failed_blocks.update(meta.load_failed)
+            self.counters["load_failures"] += len(meta.load_failed)
+            self.recving.update(meta.recv)
+
+    def _start_load(self, meta: BlockdMetadata) -> None:
         if meta.pool is None or not meta.has_work():
             return
         # Loads of blocks of the session mapped now (an epoch change may have named a new one:
@@ -166,7 +190,7 @@ class WorkerSide:
         vllm_blocks, blockd_blocks = self._pairs(meta, session)
         if not vllm_blocks or self.pool is None:
             return
-        kv_pool = self.pool.kv_pool(0)
+        kv_pool = self.pool.kv_pool(self.rank)
         first = next(iter(self.views.values()))
         if (bad := out_of_range(vllm_blocks, first.shape[0], blockd_blocks,
                                 pool_view(kv_pool, 0).shape[0])) is not None:
@@ -181,7 +205,7 @@ class WorkerSide:
         else:
             for name, view in self.views.items():
                 copy_blocks(view, dst, pool_view(kv_pool, self.layers[name]), src)
-        self.counters["loaded_blocks"] += len(vllm_blocks)
+        self._count_blocks("loaded_blocks", len(vllm_blocks))
 
     def _load_on_side_stream(self, kv_pool: Any, src: Any, dst: Any) -> None:
         import torch
@@ -218,6 +242,7 @@ class WorkerSide:
             self._save(meta)
         finally:
             self.report.done = max(self.report.done, meta.step)
+            self.sent.update(meta.sent)  # saved or not: vLLM must get its blocks back
 
     def _save(self, meta: BlockdMetadata) -> None:
         if meta.pool is None or not (meta.save_vllm or meta.fence):
@@ -228,7 +253,7 @@ class WorkerSide:
             return
         first = next(iter(self.views.values()))
         if meta.save_vllm:
-            kv_pool = self.pool.kv_pool(0)
+            kv_pool = self.pool.kv_pool(self.rank)
             why = out_of_range(meta.save_vllm, first.shape[0], meta.save_blockd,
                                pool_view(kv_pool, 0).shape[0])
             if why is None:
@@ -241,7 +266,7 @@ class WorkerSide:
                     why = str(err)
             if why is None:
                 self.report.ok.add(meta.step)
-                self.counters["saved_blocks"] += len(meta.save_vllm)
+                self._count_blocks("saved_blocks", len(meta.save_vllm))
             else:
                 self.report.failed.add(meta.step)
                 self.counters["save_failures"] += 1
@@ -255,13 +280,46 @@ class WorkerSide:
                 stream = torch.cuda.current_stream(first.device)
             self.pool.publish_fence_on_stream(meta.fence, stream)
 
+    def _count_blocks(self, key: str, n: int) -> None:
+        """Blocks are counted once per engine (by rank 0: every rank copies its shard of the
+        same blocks); failures by every rank (vLLM sums the workers' counters)."""
+        if self.rank == 0:
+            self.counters[key] += n
+
     def take_report(self) -> SaveReport | None:
         report, self.report = self.report, SaveReport()
         return report if (report.ok or report.failed or report.done) else None
 
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call."""
+        sent, recving, self.sent, self.recving = self.sent, self.recving, set(), set()
+        return sent, recving
+
     def take_failed(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
+
+    def retire(self) -> bool:
+        """The worker stops for good (engine shutdown, after its last step): no copy of it is
+        in flight any more, so every fence the session was issued is done. Publishing that
+        (the daemon clamps the page's value to the fences it issued) lets the Steps the
+        scheduler side sent after the last step (an idle engine's last commits and releases)
+        apply before the session is detached, instead of being dropped with it. Only right
+        before the detach: the page then says "done" for any later fence too. True when every
+        rank has retired (this one last, or alone): the one to detach the session."""
+        if self.pool is None:
+            return False
+        first = next(iter(self.views.values()), None)
+        try:
+            if first is not None and first.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(first.device)  # the queued fence writes land first
+            self.pool.publish_fence(ALL_ISSUED)
+            return self.shape.tp_size == 1 or self.pool.session_fence() == ALL_ISSUED
+        except Exception as err:  # (a failed publish only leaves those Steps to the lease)
+            log.warning("blockd_vllm: could not report the worker's copies done: %s", err)
+            return self.shape.tp_size == 1
 
     def close(self) -> None:
         if self.pool is not None:

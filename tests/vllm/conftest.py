@@ -7,7 +7,6 @@ Engines start once per module (about 30 s each on 2 cores).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,20 +14,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _need_vllm() -> None:
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "no usable vLLM"
-        why = f"vllm is not importable ({exc!r}): install the vllm extra (make install)"
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
+from vllm_support import need_vllm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    _need_vllm()
+    need_vllm()
     from vllm_support import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny-llama") / "model")
@@ -37,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def other_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same architecture with other weights and no revision string anywhere."""
-    _need_vllm()
+    need_vllm()
     from vllm_support import tiny_model
 
     return tiny_model(tmp_path_factory.mktemp("tiny-llama-2") / "model", seed=1)

@@ -14,16 +14,13 @@ from pathlib import Path
 import pytest
 from vllm_support import (
     Engine,
-    EngineFailed,
     connector_config,
+    hits,
+    retired,
     shared_prefix_workload,
     start_daemon,
     stats,
 )
-
-
-def full_hits(prompts: list[list[int]]) -> list[int]:
-    return [(len(p) - 1) // 32 * 32 for p in prompts]
 
 
 def wait_for(predicate, timeout: float = 30.0) -> bool:
@@ -71,7 +68,7 @@ def test_daemon_killed_mid_run_then_restarted_same_and_new_epoch(tmp_path: Path,
         assert stats(d).epoch == epoch
         again: list = []
         assert wait_for(lambda: (again.append(engine.generate(warm)) or
-                                 again[-1]["num_cached"] == full_hits(warm)), timeout=60)
+                                 again[-1]["num_cached"] == hits(warm)), timeout=60)
         assert all(r["tokens"] == want_warm for r in again)
         # Killed again and restarted without its state: a new pool, a new epoch.
         d.proc.kill()
@@ -80,7 +77,7 @@ def test_daemon_killed_mid_run_then_restarted_same_and_new_epoch(tmp_path: Path,
         assert stats(d).epoch != epoch
         rounds: list = []
         assert wait_for(lambda: (rounds.append(engine.generate(warm)) or
-                                 rounds[-1]["num_cached"] == full_hits(warm)), timeout=60)
+                                 rounds[-1]["num_cached"] == hits(warm)), timeout=60)
         assert all(r["tokens"] == want_warm for r in rounds)
     finally:
         engine.stop()
@@ -99,18 +96,20 @@ def test_killed_engine_is_reaped_and_others_carry_on(tmp_path: Path, model_dir: 
             prompts = shared_prefix_workload(seed=41)
             b.generate(prompts)
             assert stats(d).num_sessions == 2
+            retired(d)  # b's requests committed (a kill -9 cannot report a fence any more)
             b.kill()
             assert wait_for(lambda: stats(d).num_sessions == 1, timeout=20)
             out = a.generate(prompts)
             assert out["tokens"] == alone.generate(prompts)["tokens"]
-            assert out["num_cached"] == full_hits(prompts)  # what b saved survived b
+            assert out["num_cached"] == hits(prompts)  # what b saved survived b
         finally:
             a.stop()
             b.stop()
 
 
-def test_block_size_mismatch_refuses_to_start(tmp_path: Path, model_dir: Path) -> None:
-    """A real engine start: the message names both block sizes and comes through vLLM."""
+def test_block_size_mismatch_is_refused_at_start(tmp_path: Path, model_dir: Path) -> None:
+    """A pool of blocks of 16 for an engine of 32: the message names both block sizes
+    (test_connector_start.py shows a refusal of this constructor ending a real engine)."""
     from vllm_support import daemon_proc
 
     with daemon_proc.start(tmp_path / "blockd", num_blocks=64,
@@ -119,9 +118,13 @@ def test_block_size_mismatch_refuses_to_start(tmp_path: Path, model_dir: Path) -
                                            "num_kv_heads": 2, "head_dim": 32,
                                            "dtype": "float32"}}) as d:
         (d.workdir / "alice.token").write_text("tok-alice\n")
-        with pytest.raises(EngineFailed) as err:
-            Engine(model_dir, connector_config(d, "acme", "alice"))
-    assert "block_size=16" in str(err.value) and "block_size is 32" in str(err.value)
+        # The worker's preflight (blockd's Stats) and the scheduler side's Attach.
+        for role, says in (("WORKER", "vLLM's block_size is 32"),
+                           ("SCHEDULER", "the pool has block_size=16, the worker expects 32")):
+            with pytest.raises(RuntimeError) as err:
+                _connector(model_dir, connector_config(d, "acme", "alice")
+                           ["kv_connector_extra_config"], role)
+            assert "block_size=16" in str(err.value) and says in str(err.value), role
 
 
 def _connector(model_dir: Path, extra: dict, role: str = "WORKER"):
@@ -183,4 +186,8 @@ def test_wrong_token_and_foreign_tenant_are_refused(plain_daemon, model_dir: Pat
             _connector(model_dir, {"target": target, "tenant": "globex", "token_file": alice},
                        role)
         assert "globex" in str(err.value), role
+    with pytest.raises(RuntimeError) as err:
+        _connector(model_dir, {"target": target, "tenant": "nobody", "token_file": alice})
+    assert "kv_connector_extra_config.tenant='nobody' is not a tenant" in str(err.value)
+    assert "it may act for ['acme']" in str(err.value)
     assert stats(plain_daemon).num_sessions == 0  # nothing was left attached

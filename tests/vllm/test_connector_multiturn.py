@@ -3,9 +3,11 @@ like prompt blocks, so turn n+1 of a conversation (previous prompt + answer + ne
 turn n's answer, and the tokens stay those of vLLM alone.
 
 Two levels. The connector's roles driven step by step with vLLM's own ``Request`` and
-``SchedulerOutput`` on a real daemon pin down the exact rule: a block is saved in the step that
-computes the K/V of its last token, from the request's own vLLM block, and the block holding the
-last sampled token (which has no K/V) is not. Then real engines: a 3-turn conversation on one
+``SchedulerOutput`` on a real daemon pin down the exact rule: a block is appended in the step that
+computes the K/V of its last token and saved, from the request's own vLLM block, in the step
+after (the append's Step is answered off the scheduler thread), also when that step comes after
+the request's end (vLLM keeps the blocks: ``finished_sending``); the block holding the last
+sampled token (which has no K/V) is not saved. Then real engines: a 3-turn conversation on one
 engine, a fresh engine on the same daemon continuing it, each turn compared token for token with
 vLLM alone; with ``save_generated`` off the same conversation hits only the previous prompts.
 """
@@ -19,8 +21,16 @@ from pathlib import Path
 
 import pytest
 from test_connector_faults import _connector
-from test_connector_protocol import Blocks, _blocks, request, run_worker, step
-from vllm_support import Engine, Prestarted, connector_config, start_daemon, stats
+from test_connector_protocol import Blocks, _blocks, ask, request, run_worker, step
+from vllm_support import (
+    Engine,
+    Prestarted,
+    connector_config,
+    retired,
+    start_daemon,
+    stats,
+    undegraded,
+)
 
 B = 32
 
@@ -39,31 +49,42 @@ def decode_step(req, computed: int):  # type: ignore[no-untyped-def]
                            free_encoder_mm_hashes=[])
 
 
-def converse(sched, worker, req, vblocks: list[int], total: int  # type: ignore[no-untyped-def]
-             ) -> list[list[int]]:
+def converse(sched, worker, req, vblocks: list[int], total: int,  # type: ignore[no-untyped-def]
+             held: bool = False) -> list[list[int]]:
     """Prefill ``req``'s prompt, then decode until it holds ``total`` tokens (the last one
-    sampled, never fed back), as vLLM's scheduler and model runner would; then it finishes.
-    Returns each step's saved vLLM blocks."""
+    sampled, never fed back), as vLLM's scheduler and model runner would, each step's Step
+    answered before the next step (as while a step runs); then it finishes (``held``: vLLM
+    keeps its blocks for a save still to come, reported in ``finished_sending``). Returns each
+    step's saved vLLM blocks, the step after the end included."""
     n = len(req.prompt_token_ids)
     sched.update_state_after_alloc(req, _blocks(vblocks), 0)
     saved = []
     meta = sched.build_connector_meta(step([(req, vblocks, 0, n)]))
     saved.append(list(meta.save_vllm))
+    assert sched.scheduler.settle()
     sched.update_connector_output(run_worker(worker, meta))
     req.append_output_token_ids(500)
     while len(req.all_token_ids) < total:
         meta = sched.build_connector_meta(decode_step(req, len(req.all_token_ids) - 1))
         saved.append(list(meta.save_vllm))
+        assert sched.scheduler.settle()
         sched.update_connector_output(run_worker(worker, meta))
         req.append_output_token_ids(500 + len(req.all_token_ids) % 400)
-    sched.request_finished(req, vblocks)
+    req.num_computed_tokens = len(req.all_token_ids) - 1  # what vLLM's scheduler keeps
+    assert sched.request_finished(req, vblocks) == (held, None)
+    meta = sched.build_connector_meta(step([]))  # the held save (if any), and its sending
+    saved.append(list(meta.save_vllm))
+    out = run_worker(worker, meta)
+    assert out.finished_sending == ({req.request_id} if held else set())
+    sched.update_connector_output(out)
     sched.build_connector_meta(step([]))  # the commit and release, behind this step's fence
+    assert sched.scheduler.settle()
     time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
     return saved
 
 
 @pytest.mark.parametrize("save_generated", [True, False])
-def test_generated_blocks_are_saved_in_the_step_that_computes_them(
+def test_generated_blocks_are_saved_in_the_step_after_their_append(
         tmp_path: Path, model_dir: Path, save_generated: bool) -> None:
     d = start_daemon(tmp_path / "blockd")
     extra = connector_config(d, "acme", "alice",
@@ -78,23 +99,26 @@ def test_generated_blocks_are_saved_in_the_step_that_computes_them(
     try:
         # a: 80 prompt tokens, generates until 128 tokens: token 127 is sampled last and has no
         # K/V, so block 3 (tokens 96..127) is not saved; blocks 2 and the prompt's are.
+        # Block 2 is appended in the step computing token 95's K/V and saved in the next.
         a = request("a", list(range(1, 81)))
-        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        assert ask(sched, a) == (0, False)
         saved = converse(sched, worker, a, vblocks["a"], 128)
-        want = [[0, 1]] + [[2] if save_generated and i == 96 - 80 else []
-                           for i in range(1, 128 - 80)]
+        want = [[0, 1]] + [[2] if save_generated and i == 96 - 80 + 1 else []
+                           for i in range(1, 128 - 80 + 1)]
         assert saved == want
-        # b: the same prompt length, one token more: block 3's last token now has K/V.
+        # b: the same prompt length, one token more: block 3's last token now has K/V, in
+        # the request's last step: vLLM keeps its blocks for the step that saves block 3.
         b = request("b", list(range(201, 281)))
-        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
-        saved = converse(sched, worker, b, vblocks["b"], 129)
+        assert ask(sched, b) == (0, False)
+        saved = converse(sched, worker, b, vblocks["b"], 129, held=save_generated)
         assert [s for s in saved if s] == ([[5, 6], [7], [8]] if save_generated else [[5, 6]])
+        assert saved[-1] == ([8] if save_generated else [])  # after the end, held
         # The next turns: previous prompt + answer + new text.
         for prev, hit_on, hit_off, vb in ((a, 96, 64, vblocks["a"]),
                                           (b, 128, 64, vblocks["b"])):
             nxt = request(f"next-{prev.request_id}", list(prev.all_token_ids) + [7] * 20)
             hit = hit_on if save_generated else hit_off
-            assert sched.get_num_new_matched_tokens(nxt, 0) == (hit, False)
+            assert ask(sched, nxt) == (hit, False)
             sched.update_state_after_alloc(nxt, _blocks(vblocks["next"]), hit)
             meta = sched.build_connector_meta(step([(nxt, vblocks["next"], hit, 20)]))
             assert meta.load_vllm == vblocks["next"][:hit // B]
@@ -107,6 +131,65 @@ def test_generated_blocks_are_saved_in_the_step_that_computes_them(
             sched.build_connector_meta(step([]))
         counters = sched.scheduler.counters
         assert counters["generated_blocks"] == (3 if save_generated else 0)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
+def test_blocks_completed_while_an_append_is_in_flight_are_saved_after_the_end(
+        tmp_path: Path, model_dir: Path) -> None:
+    """blockd answers slowly (frozen, SIGSTOP): the append of block 2 is in flight while the
+    request computes block 3's K/V and ends. vLLM keeps its blocks; once blockd answers, the
+    empty steps after the end save block 2, append block 3 and save it, then let the blocks go
+    (``finished_sending``): the next turn hits all four blocks, as when blockd is fast."""
+    import signal
+
+    d = start_daemon(tmp_path / "blockd")
+    extra = connector_config(d, "acme", "alice", rpc_timeout_s=30.0)[
+        "kv_connector_extra_config"]
+    sched = _connector(model_dir, extra, "SCHEDULER")
+    worker = _connector(model_dir, extra, "WORKER")
+    worker.register_kv_caches(Blocks().caches)
+    vblocks = [0, 1, 2, 3, 4]
+    sched.scheduler.block_ids_of = lambda rid: (vblocks,)
+    try:
+        req = request("slow", list(range(1, 81)))
+        assert ask(sched, req) == (0, False)
+        sched.update_state_after_alloc(req, _blocks(vblocks), 0)
+        meta = sched.build_connector_meta(step([(req, vblocks, 0, 80)]))
+        assert sched.scheduler.settle()
+        sched.update_connector_output(run_worker(worker, meta))
+        req.append_output_token_ids(500)
+        frozen = False
+        try:
+            while len(req.all_token_ids) < 129:  # token 128 is sampled last: no K/V
+                computed = len(req.all_token_ids) - 1
+                if computed == 95:  # this step appends block 2; blockd answers later
+                    d.signal(signal.SIGSTOP)
+                    frozen = True
+                meta = sched.build_connector_meta(decode_step(req, computed))
+                if not frozen:
+                    assert sched.scheduler.settle()
+                sched.update_connector_output(run_worker(worker, meta))
+                req.append_output_token_ids(500 + len(req.all_token_ids) % 400)
+            req.num_computed_tokens = len(req.all_token_ids) - 1
+            assert sched.request_finished(req, vblocks) == (True, None)  # held
+        finally:
+            d.signal(signal.SIGCONT)
+        for _ in range(10):  # the empty steps vLLM runs while it keeps a request's blocks
+            assert sched.scheduler.settle(40.0)
+            out = run_worker(worker, sched.build_connector_meta(step([])))
+            sched.update_connector_output(out)
+            if out.finished_sending:
+                break
+        assert out.finished_sending == {"slow"}
+        sched.build_connector_meta(step([]))  # the commit and release
+        assert sched.scheduler.settle()
+        time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
+        assert sched.scheduler.counters["generated_blocks"] == 2
+        nxt = request("next", list(req.all_token_ids) + [7] * 20)
+        assert ask(sched, nxt) == (128, False)
     finally:
         worker.shutdown()
         sched.shutdown()
@@ -156,7 +239,8 @@ def run_turns(engine: Engine, alone: Engine, seed: int, turns: int
     prompts, cached = [], []
     current = first
     for turn in range(turns):
-        out = engine.generate(current, max_tokens=MAX_TOKENS)
+        out = undegraded(engine, lambda: engine.generate(current,  # noqa: B023 (called now)
+                                                         max_tokens=MAX_TOKENS))
         assert out["tokens"] == alone.generate(current, max_tokens=MAX_TOKENS)["tokens"], turn
         prompts.append(current)
         cached.append(out["num_cached"])
@@ -169,6 +253,7 @@ def run_turns(engine: Engine, alone: Engine, seed: int, turns: int
 def test_next_turn_hits_the_previous_answer(daemon, alone: Engine, engines: Prestarted) -> None:
     with engines.take("first") as e1:
         prompts, cached = run_turns(e1, alone, seed=5, turns=TURNS)
+        retired(daemon)  # before another engine continues the conversations
     # Turn n+1 on the same engine: every full block of turn n's prompt + answer whose K/V
     # was computed (the last answer token has none) came from blockd.
     for turn in range(1, TURNS):
@@ -181,7 +266,8 @@ def test_next_turn_hits_the_previous_answer(daemon, alone: Engine, engines: Pres
     with engines.take("second") as e2:
         before = stats(daemon).prefix_hit_tokens_total
         for turn in range(1, TURNS + 1):
-            out = e2.generate(prompts[turn], max_tokens=MAX_TOKENS)
+            out = undegraded(e2, lambda: e2.generate(prompts[turn],  # noqa: B023 (called now)
+                                                     max_tokens=MAX_TOKENS))
             want = alone.generate(prompts[turn], max_tokens=MAX_TOKENS)["tokens"]
             assert out["tokens"] == want, turn
             if turn < TURNS:  # turn `turn` itself ran on engine 1: its whole prompt is in

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_connector_faults import _connector  # vLLM's own factory builds both roles
-from vllm_support import connector_config, start_daemon
+from vllm_support import connector_config, start_daemon, stats
 
 B = 32
 
@@ -57,6 +57,28 @@ class Blocks:
         return all(torch.equal(t[a], t[b]) for t in self.caches.values())
 
 
+def roles(d, model_dir: Path):  # type: ignore[no-untyped-def]
+    """Both roles as acme's "alice" on ``d``; every request's vLLM blocks are 0-3."""
+    extra = connector_config(d, "acme", "alice")["kv_connector_extra_config"]
+    sched = _connector(model_dir, extra, "SCHEDULER")
+    worker = _connector(model_dir, extra, "WORKER")
+    worker.register_kv_caches(Blocks().caches)
+    sched.scheduler.block_ids_of = lambda rid: ([0, 1, 2, 3],)
+    return sched, worker
+
+
+def ask(sched, r, computed: int = 0) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
+    """``get_num_new_matched_tokens`` as vLLM's scheduler asks it: the first ask of an eligible
+    request answers None (its admit is queued); the admit leaves with that ``schedule()``'s
+    metadata (an empty step here), off the scheduler thread; the next ask returns the answer."""
+    first = sched.get_num_new_matched_tokens(r, computed)
+    if first[0] is not None:
+        return first  # not eligible, or degraded: answered at once
+    sched.build_connector_meta(step([]))
+    assert sched.scheduler.settle()
+    return sched.get_num_new_matched_tokens(r, computed)
+
+
 def run_worker(worker, meta) -> object:  # type: ignore[no-untyped-def]
     """What the model runner does with a step's metadata; returns the KVConnectorOutput."""
     from vllm.v1.outputs import KVConnectorOutput
@@ -66,7 +88,9 @@ def run_worker(worker, meta) -> object:  # type: ignore[no-untyped-def]
     for name in worker.worker.views:
         worker.wait_for_layer_load(name)
     worker.wait_for_save()
-    out = KVConnectorOutput(kv_connector_worker_meta=worker.build_connector_worker_meta(),
+    sending, recving = worker.get_finished(set())
+    out = KVConnectorOutput(finished_sending=sending or set(), finished_recving=recving or set(),
+                            kv_connector_worker_meta=worker.build_connector_worker_meta(),
                             invalid_block_ids=worker.get_block_ids_with_load_errors(),
                             kv_connector_stats=worker.get_kv_connector_stats())
     worker.clear_connector_metadata()
@@ -85,7 +109,7 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
     try:
         prompt = list(range(1, 101))  # 3 full blocks + 4 tokens
         r0 = request("r0", prompt)
-        assert sched.get_num_new_matched_tokens(r0, 0) == (0, False)
+        assert ask(sched, r0) == (0, False)
         vblocks = {"r0": [0, 1, 2, 3], "r1": [4, 5, 6, 7]}
         sched.scheduler.block_ids_of = lambda rid: (vblocks[rid],)
         sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
@@ -104,15 +128,18 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
         sched.build_connector_meta(step([]))  # commit + release, behind this step's fence
         time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
         r1 = request("r1", prompt[:96] + [7] * 10)
-        assert sched.get_num_new_matched_tokens(r1, 0) == (96, False)  # hit, pinned
+        assert ask(sched, r1) == (96, False)  # hit, pinned
         d.proc.kill()  # blockd dies between two queries of one schedule
         d.proc.wait()
         r2 = request("r2", [9] * 80)
-        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # degraded
-        assert sched.scheduler.degraded
+        # Its admit is queued (or, had the heartbeat thread seen blockd die first, computed).
+        assert sched.get_num_new_matched_tokens(r2, 0) in ((None, False), (0, False))
         sched.update_state_after_alloc(r1, _blocks(vblocks["r1"]), 96)
         meta = sched.build_connector_meta(step([(r1, vblocks["r1"], 96, 10)]))
-        assert meta.load_vllm == [4, 5, 6] and not meta.save_vllm
+        assert sched.scheduler.settle()  # the Step with r2's admit found blockd gone
+        assert sched.scheduler.degraded
+        assert meta.load_vllm == [4, 5, 6]
+        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)  # computed
         for t in kv.caches.values():
             t[4:7].zero_()
         out = run_worker(worker, meta)
@@ -122,6 +149,68 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
         worker.shutdown()
         sched.shutdown()
         d.stop()
+
+
+def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Path,
+                                                                   model_dir: Path) -> None:
+    """Four new requests asked in one ``schedule()`` while the daemon is frozen (SIGSTOP): every
+    ask answers None and ``build_connector_meta`` returns at once (an RPC on the scheduler
+    thread would wait for the 30 s deadline); once the daemon runs again their admits went in
+    one Step, and the next asks get the answers. The connector's stats report the schedules,
+    the Steps and the scheduler thread's time."""
+    import signal
+    import threading
+
+    d = start_daemon(tmp_path / "blockd")
+    extra = connector_config(d, "acme", "alice", rpc_timeout_s=30.0)["kv_connector_extra_config"]
+    sched = _connector(model_dir, extra, "SCHEDULER")
+    counters = sched.scheduler.counters
+    try:
+        rs = [request(f"r{i}", [i + 1] * 40 + list(range(1, 61))) for i in range(4)]
+        sched.get_kv_connector_stats()  # start a fresh interval
+        steps = counters["blockd_steps"]
+        answers: list[object] = []
+        done = threading.Event()
+
+        def schedule() -> None:  # what vLLM's scheduler thread does in one schedule()
+            answers.extend(sched.get_num_new_matched_tokens(r, 0) for r in rs)
+            sched.build_connector_meta(step([]))
+            done.set()
+
+        d.signal(signal.SIGSTOP)
+        try:
+            threading.Thread(target=schedule, daemon=True).start()
+            assert done.wait(5.0), "the scheduler thread waited on a frozen blockd"
+        finally:
+            d.signal(signal.SIGCONT)
+        assert answers == [(None, False)] * 4
+        assert sched.scheduler.settle(40.0)
+        assert counters["blockd_steps"] - steps == 1  # the four admits in one Step
+        assert [sched.get_num_new_matched_tokens(r, 0) for r in rs] == [(0, False)] * 4
+        assert counters["admitted"] == 4
+        stats = sched.get_kv_connector_stats().reduce()
+        assert stats["schedules"] == 1 and stats["blockd_steps"] == 1
+        assert stats["steps_per_schedule"] == 1.0 and stats["scheduler_us_per_schedule"] > 0
+        for r in rs:
+            sched.request_finished(r, [])
+        sched.build_connector_meta(step([]))  # their releases
+        assert sched.scheduler.settle()
+        assert wait_live(d, 0)
+    finally:
+        sched.shutdown()
+        d.stop()
+
+
+def wait_live(d, n: int) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the daemon holds ``n`` live sequences within a few seconds."""
+    from vllm_support import stats
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if stats(d).num_sequences == n:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, model_dir: Path
@@ -140,7 +229,7 @@ def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, mod
     try:
         prefix = list(range(1, 65))
         r0 = request("r0", prefix + [5] * 6)  # 2 full blocks + 6 tokens
-        assert sched.get_num_new_matched_tokens(r0, 0) == (0, False)
+        assert ask(sched, r0) == (0, False)
         sched.update_state_after_alloc(r0, _blocks(vblocks["r0"]), 0)
         out = run_worker(worker, sched.build_connector_meta(step([(r0, vblocks["r0"], 0, 70)])))
         sched.update_connector_output(out)
@@ -148,7 +237,7 @@ def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, mod
         sched.build_connector_meta(step([]))
         time.sleep(0.3)
         r1 = request("r1", prefix + [6] * 120)  # 5 full blocks + 24 tokens: over the quota
-        assert sched.get_num_new_matched_tokens(r1, 0) == (64, False)
+        assert ask(sched, r1) == (64, False)
         assert sched.scheduler.counters["admit_no_room"] == 1
         sched.update_state_after_alloc(r1, _blocks(vblocks["r1"]), 64)
         meta = sched.build_connector_meta(step([(r1, vblocks["r1"], 64, 120)]))
@@ -158,7 +247,7 @@ def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, mod
         run_worker(worker, meta)
         assert kv.same(3, 0) and kv.same(4, 1)
         r2 = request("r2", [8] * 300)
-        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+        assert ask(sched, r2) == (0, False)
     finally:
         worker.shutdown()
         sched.shutdown()
@@ -176,17 +265,13 @@ def test_lora_and_salt_decide_sharing(tmp_path: Path, model_dir: Path) -> None:
     (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
     (adapter / "adapter_model.safetensors").write_bytes(b"weights-v1")
     d = start_daemon(tmp_path / "blockd")
-    extra = connector_config(d, "acme", "alice")["kv_connector_extra_config"]
-    sched = _connector(model_dir, extra, "SCHEDULER")
-    worker = _connector(model_dir, extra, "WORKER")
-    worker.register_kv_caches(Blocks().caches)
-    sched.scheduler.block_ids_of = lambda rid: ([0, 1, 2, 3],)
+    sched, worker = roles(d, model_dir)
     prompt = list(range(1, 101))
     n = iter(range(100))
 
     def hit(**kw: object) -> int:
         r = request(f"r{next(n)}", prompt, **kw)
-        got, _ = sched.get_num_new_matched_tokens(r, 0)
+        got, _ = ask(sched, r)
         sched.update_state_after_alloc(r, _blocks([0, 1, 2, 3]), got)
         out = run_worker(worker, sched.build_connector_meta(step([(r, [0, 1, 2, 3], got,
                                                                   100 - got)])))
@@ -230,7 +315,7 @@ def test_a_failed_save_is_never_committed_and_the_other_steps_are(tmp_path: Path
         outs = {}
         for rid, prompt in (("good", good), ("bad", bad)):
             r = request(rid, prompt)
-            assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            assert ask(sched, r) == (0, False)
             sched.update_state_after_alloc(r, _blocks(vblocks[rid]), 0)
             outs[rid] = run_worker(worker, sched.build_connector_meta(
                 step([(r, vblocks[rid], 0, 100)])))
@@ -240,16 +325,126 @@ def test_a_failed_save_is_never_committed_and_the_other_steps_are(tmp_path: Path
         assert outs["bad"].kv_connector_worker_meta.failed
         assert not outs["bad"].kv_connector_worker_meta.ok
         assert sched.scheduler.counters["save_failures"] == 1
-        assert not sched.scheduler.saving  # every reported step left the index
+        assert not sched.scheduler.copies.saving  # every reported step left the index
         sched.build_connector_meta(step([]))  # commit "good", release both
         time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
-        assert sched.get_num_new_matched_tokens(request("g2", good), 0) == (96, False)
-        assert sched.get_num_new_matched_tokens(request("b2", bad), 0) == (0, False)
+        assert ask(sched, request("g2", good)) == (96, False)
+        assert ask(sched, request("b2", bad)) == (0, False)
         assert sched.scheduler.counters["committed_blocks"] == 3
     finally:
         worker.shutdown()
         sched.shutdown()
         d.stop()
+
+
+def test_a_reaped_session_reattaches_and_the_admits_that_found_out_go_again(
+        tmp_path: Path, model_dir: Path) -> None:
+    """The engine stalls past its lease (its heartbeat thread stopped here): blockd reaps the
+    session. The next Step, carrying a new request's admit, is refused (unknown session); the
+    link re-attaches, and that admit goes again on the new session instead of being computed:
+    it hits the prefix committed before the stall. The stats say so."""
+    d = start_daemon(tmp_path / "blockd", lease_ms=1500)
+    sched, worker = roles(d, model_dir)
+    prompt = list(range(1, 101))
+    try:
+        r0 = request("r0", prompt)
+        assert ask(sched, r0) == (0, False)
+        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        out = run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
+        sched.update_connector_output(out)
+        sched.request_finished(r0, [0, 1, 2, 3])
+        sched.build_connector_meta(step([]))  # commit + release
+        time.sleep(0.3)  # the idle scheduler reports its fences (the heartbeat thread)
+        link = sched.scheduler.link
+        link._stop.set()  # the stall: no heartbeat from here on
+        link._beat.join()
+        deadline = time.monotonic() + 30
+        while "lease expired" not in d.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "lease expired" in d.log_text()
+        sched.get_kv_connector_stats()  # a fresh interval
+        r1 = request("r1", prompt[:96] + [7] * 10)
+        assert ask(sched, r1) == (None, False)  # its Step found the session gone
+        counters = sched.scheduler.counters
+        assert counters["epoch_changes"] == 1 and counters["admits_resent"] == 1
+        assert ask(sched, r1) == (96, False)  # asked again on the new session: a hit
+        stats = sched.get_kv_connector_stats().reduce()
+        assert stats["epoch_changes"] == 1 and stats["admits_resent"] == 1
+        assert stats["degraded_episodes"] == 0
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
+def test_a_clean_worker_shutdown_applies_the_last_commit_before_detaching(
+        tmp_path: Path, model_dir: Path) -> None:
+    """The engine stops right after its last request: the commit Step went after the worker's
+    last step, so no worker fence covers it, and the scheduler side never reports it (its
+    heartbeat thread stopped here, as when vLLM tears the engine down). The worker's shutdown
+    reports every issued fence done before it detaches: the commit applies, and another
+    engine's session hits the prompt (before: dropped with the session, a miss)."""
+    d = start_daemon(tmp_path / "blockd")
+    sched, worker = roles(d, model_dir)
+    other = None
+    prompt = list(range(1, 101))
+    try:
+        r0 = request("r0", prompt)
+        assert ask(sched, r0) == (0, False)
+        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        out = run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
+        link = sched.scheduler.link
+        link._stop.set()  # no heartbeat: nothing reports the commit's fence
+        link._beat.join()
+        sched.update_connector_output(out)
+        sched.request_finished(r0, [0, 1, 2, 3])
+        sched.build_connector_meta(step([]))  # commit + release, behind a fence no step covers
+        assert sched.scheduler.settle()
+        other = _connector(model_dir, connector_config(d, "acme", "alice2")[
+            "kv_connector_extra_config"], "SCHEDULER")
+        assert ask(other, request("r1", prompt[:96] + [5] * 8)) == (0, False)  # deferred
+        worker.shutdown()  # the engine stops: the worker detaches the session
+        assert ask(other, request("r2", prompt[:96] + [6] * 8)) == (96, False)
+    finally:
+        for c in (other, sched):
+            if c is not None:
+                c.shutdown()
+        d.stop()
+
+
+def test_the_scheduler_side_never_reattaches_a_session_its_worker_detached(
+        tmp_path: Path, model_dir: Path) -> None:
+    """vLLM shuts the workers down first: the worker detaches the engine's session while the
+    scheduler side still runs (its heartbeat, its last Steps). blockd answers those "detached",
+    so the scheduler side stops using blockd instead of re-attaching a session nobody would
+    detach (it stayed until its lease ran out: the clean-exit engine test's 1 session)."""
+    d = start_daemon(tmp_path / "blockd")
+    sched, worker = roles(d, model_dir)
+    try:
+        r0 = request("r0", list(range(1, 101)))
+        assert ask(sched, r0) == (0, False)
+        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
+        assert stats(d).num_sessions == 1
+        worker.shutdown()  # the worker detaches the session
+        assert stats(d).num_sessions == 0
+        link = sched.scheduler.link
+        for _ in range(100):  # the heartbeat thread (or the next Step) hears of it
+            if link.ended:
+                break
+            sched.build_connector_meta(step([]))
+            sched.scheduler.settle()
+            time.sleep(0.05)
+        assert "detached" in link.ended
+        assert link.degraded and not link._beat.is_alive()
+        assert ask(sched, request("r1", list(range(1, 101)))) == (0, False)  # computed
+        assert stats(d).num_sessions == 0  # nobody re-attached
+        stats_now = sched.get_kv_connector_stats().reduce()
+        assert stats_now["epoch_changes"] == 0
+    finally:
+        sched.shutdown()
+        d.stop()
+    assert stats_now["degraded_episodes"] == 0
 
 
 def _blocks(ids: list[int]):  # type: ignore[no-untyped-def]

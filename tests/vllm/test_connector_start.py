@@ -1,11 +1,12 @@
 """Engine start and exit with the connector (issue 27, item 3), real engines on real daemons.
 
-Every refusal at start (a pool of another layout, a tenant the credential may not act for, a
-bad token, a target nobody answers at, a block size vLLM's CPU attention cannot run) ends the
-engine process by itself with an error naming the key, and leaves none of its processes
-behind; an engine that exits cleanly detaches its session (blockd logs ``reason=detach``, not
-``lease expired``). The engines' start-up timeout (``START_TIMEOUT_S``, minutes) is only the
-hang guard: the tests wait for the process to end, they time nothing.
+A refusal at start (the connector's: a pool of another layout; vLLM's own: a block size its CPU
+attention cannot run) ends the engine process by itself with an error naming the key, and
+leaves none of its processes behind (the connector's other refusals, from the same constructor,
+are checked without an engine in test_connector_faults.py); an engine that exits cleanly
+detaches its session (blockd logs ``reason=detach``, not ``lease expired``). The engines'
+start-up timeout (``START_TIMEOUT_S``, minutes) is only the hang guard: the tests wait for
+the process to end, they time nothing.
 """
 
 from __future__ import annotations
@@ -90,44 +91,42 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             d.stop()
 
 
-def refused(model_dir: Path, kv: dict, **options) -> str:
-    return ended_by_itself(Engine(model_dir, kv, wait=False, env=ENV, **options))
+@pytest.fixture(scope="module")
+def refusals(request: pytest.FixtureRequest, daemons: dict, model_dir: Path
+             ) -> Iterator[dict[str, Engine]]:
+    """The engines that must refuse to start, started at once (each start-up is half a minute
+    of imports that waits on nothing), for the tests this run selected; each test waits for
+    its own to end (``ended_by_itself``)."""
+    specs: dict[str, tuple[dict, dict]] = {
+        "layout": (connector_config(daemons["layers"], "acme", "alice"), {}),
+        "block_size": (connector_config(daemons["small"], "acme", "alice"),
+                       {"block_size": 16}),
+    }
+    selected = {item.name for item in request.session.items}
+    engines = {name: Engine(model_dir, kv, wait=False, env=ENV, **options)
+               for name, (kv, options) in specs.items()
+               if any(f"_{name}_" in test for test in selected)}
+    try:
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.kill()
 
 
-def test_layout_mismatch_ends_the_engine_naming_both_layouts(daemons, model_dir: Path) -> None:
-    log = refused(model_dir, connector_config(daemons["layers"], "acme", "alice"))
+def test_layout_mismatch_ends_the_engine_naming_both_layouts(refusals: dict) -> None:
+    """The connector's refusal (here a pool of 3 layers for a model of 2) ends the engine.
+    The other refusals at start (unknown tenant, bad token, unreachable target, another block
+    size) raise the same way from the connector's constructor, which vLLM's own factory builds
+    in test_connector_faults.py; their messages are checked there."""
+    log = ended_by_itself(refusals["layout"])
     assert "layout mismatch: the pool has num_layers=3, the worker expects 2" in log
     assert "vLLM: num_layers=2 block_size=32" in log
 
 
-def test_unknown_tenant_ends_the_engine_naming_the_key(daemons, model_dir: Path) -> None:
-    log = refused(model_dir, connector_config(daemons["good"], "nobody", "alice"))
-    assert "kv_connector_extra_config.tenant='nobody' is not a tenant" in log
-    assert "it may act for ['acme']" in log
-
-
-def test_bad_token_ends_the_engine_naming_the_key(daemons, model_dir: Path) -> None:
-    d = daemons["good"]
-    log = refused(model_dir, connector_config(d, "acme", "bad"))
-    assert "rejected the credential" in log
-    assert f"kv_connector_extra_config.token_file='{d.workdir / 'bad.token'}'" in log
-
-
-def test_unreachable_target_ends_the_engine_naming_the_key(tmp_path: Path,
-                                                           model_dir: Path) -> None:
-    target = f"unix:{tmp_path}/nobody.sock"
-    kv = {"kv_connector": "BlockdConnector", "kv_connector_module_path": "blockd_vllm",
-          "kv_role": "kv_both", "kv_connector_extra_config": {
-              "target": target, "tenant": "acme", "connect_timeout_s": 1.0}}
-    log = refused(model_dir, kv)
-    assert f"kv_connector_extra_config.target={target!r} did not answer" in log
-
-
-def test_block_size_vllm_cannot_run_ends_the_engine(daemons, model_dir: Path) -> None:
+def test_block_size_vllm_cannot_run_ends_the_engine(refusals: dict) -> None:
     """blockd's pool and vLLM agree on 16, but vLLM's CPU attention cannot run it: vLLM's own
     refusal, after the model load, ends the engine too."""
-    log = refused(model_dir, connector_config(daemons["small"], "acme", "alice"),
-                  block_size=16)
+    log = ended_by_itself(refusals["block_size"])
     assert "No common block size for 16" in log
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from vllm_support import Engine, connector_config, start_daemon, stats
+from vllm_support import Engine, connector_config, retired, start_daemon, stats
 
 POOL_BLOCKS = 48
 SLOT = 32 * 2 * 2 * 2 * 32 * 4  # tokens x K,V x layers x KV heads x head_dim x float32
@@ -26,12 +26,14 @@ def prompts(seed: int, n: int = 24) -> list[list[int]]:
 
 
 def in_batches(engine: Engine, work: list[list[int]], size: int = 3) -> dict:
-    """``work`` a few prompts per call (a batch fits the 48-block pool), results joined."""
-    out: dict = {"tokens": [], "num_cached": []}
+    """``work`` a few prompts per call (a batch fits the 48-block pool), results joined (and
+    the engine's cumulative metrics after the last call)."""
+    out: dict = {"tokens": [], "num_cached": [], "metrics": {}}
     for i in range(0, len(work), size):
         got = engine.generate(work[i:i + size])
         out["tokens"] += got["tokens"]
         out["num_cached"] += got["num_cached"]
+        out["metrics"] = got["metrics"]
     return out
 
 
@@ -60,6 +62,7 @@ def test_prompts_3x_the_pool_come_back_from_host_memory(tmp_path: Path, model_di
     with d, Engine(model_dir, connector_config(d, "acme", "alice2"), wait=False) as second:
         with Engine(model_dir, connector_config(d, "acme", "alice")) as first:
             assert in_batches(first, work)["tokens"] == want
+            retired(d)
         assert stats(d).tiers[0].used_slots >= 24 * 6 - POOL_BLOCKS
         check_second_engine(d, second, want, work, "host")
 
@@ -75,6 +78,7 @@ def test_prompts_3x_the_pool_come_back_from_disk_after_a_daemon_restart(
     try:
         with Engine(model_dir, connector_config(d, "acme", "alice")) as first:
             in_batches(first, work)
+            retired(d)
         d.stop()  # a restart on the same state dir: the disk slots' index is recovered
         d = start_daemon(tmp_path / "blockd", num_blocks=POOL_BLOCKS,
                          state_dir=tmp_path / "state", tiers=tiers)

@@ -54,6 +54,16 @@ def test_the_tests_daemons_have_the_layout_of_the_tests_engines(model_dir: Path)
     assert found["pool"] == {**POOL, "tp_size": 1, "num_blocks": 1024}
 
 
+def test_tensor_parallel_splits_the_kv_heads_into_shards(model_dir: Path) -> None:
+    """``--tensor-parallel-size 2``: one KV head per rank, two shards (the pool
+    tests/vllm/test_connector_tp.py runs a TP=2 engine on)."""
+    found = layout(str(model_dir), "--block-size", "32", "--dtype", "float32",
+                   "--tensor-parallel-size", "2")
+    assert found["pool"] == {**POOL, "num_kv_heads": 1, "tp_size": 2}
+    pool = blockd_pool(shlex.split(render(found["pool"], found["notes"], "flags")))
+    assert (pool.tp_size, pool.num_kv_heads) == (2, 1)
+
+
 def test_flags_and_yaml_are_what_blockd_serve_applies(model_dir: Path, tmp_path: Path) -> None:
     found = layout(str(model_dir), "--block-size", "64", "--pool-num-blocks", "256")
     want = found["pool"]

@@ -1,0 +1,139 @@
+"""What each step copies between blockd's pool and vLLM's blocks, and which steps' saves the
+workers have reported.
+
+A step's metadata carries loads (blockd -> vLLM, promised to vLLM at the admit's answer) and
+saves (vLLM -> blockd): of the prompt blocks the step completes, of generated blocks appended
+before it (``blockd_vllm.plan``: saved in the first step after the append's answer that runs
+the request, when vLLM's blocks hold their K/V), and of requests that ended with such blocks
+unsaved (``held``: from the vLLM blocks vLLM kept for them, then let go through ``sent``).
+A step with saves is numbered; the workers report numbered steps back (``SaveReport``), and a
+plan commits only once none of its steps is unreported.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from blockd_vllm.metadata import BlockdMetadata
+from blockd_vllm.plan import Plan
+
+
+@dataclass
+class Growth:
+    """Generated tokens of one request to append in this step's Step (saved once answered)."""
+
+    rid: str
+    plan: Plan
+    tokens: list[int]
+
+
+class Copies:
+    def __init__(self, B: int, counters: Counter[str]) -> None:
+        self.B = B
+        self.counters = counters
+        self.step_no = 0
+        #: The last numbered step the workers reported back.
+        self.worker_step = 0
+        #: ``step -> requests`` with saves handed out in that step and not reported yet, so
+        #: a save report touches only its own plans.
+        self.saving: dict[int, set[str]] = {}
+
+    def idle(self) -> bool:
+        """Every step handed to the workers has been reported back: no copy is in flight."""
+        return self.worker_step >= self.step_no
+
+    def number(self, meta: BlockdMetadata) -> int:
+        if not meta.step:
+            self.step_no += 1
+            meta.step = self.step_no
+        return meta.step
+
+    def plan(self, meta: BlockdMetadata, rid: str, plan: Plan, computed: int, n: int,
+             vblocks: Any, grow: list[Growth]) -> None:
+        """This step's loads of ``plan``, the saves of the prompt blocks it completes and of
+        generated blocks appended before (``computed``: the tokens computed before this step,
+        ``n`` the tokens it computes; ``vblocks()``: the request's vLLM blocks, None: no saves)
+        and, in ``grow``, the generated tokens whose blocks it completes (blockd's blocks for
+        them come with the answer of the Step that appends them)."""
+        for v, b in plan.loads:
+            meta.load_vllm.append(v)
+            meta.load_blockd.append(b)
+            meta.load_session.append(plan.session_id)
+        plan.loads = []
+        plan.scheduled = True
+        if vblocks is None or plan.abandoned:
+            return
+        end = computed + n
+        blocks = plan.prompt_saves(end, self.B)
+        if blocks:
+            self.save(meta, rid, plan, list(blocks), vblocks())
+        if plan.savable(computed, self.B):
+            self.counters["generated_blocks"] += len(plan.to_save)
+            self.save(meta, rid, plan, plan.to_save, vblocks())
+            plan.to_save = []
+        tokens = plan.generated(end, self.B)
+        if tokens:
+            grow.append(Growth(rid, plan, tokens))
+
+    def save(self, meta: BlockdMetadata, rid: str, plan: Plan, blocks: list[int],
+             vblocks: list[int]) -> None:
+        for j in blocks:
+            meta.save_vllm.append(vblocks[j])
+            meta.save_blockd.append(plan.table[j])
+        self.counters["save_blocks"] += len(blocks)
+        plan.saved = max(plan.saved, blocks[-1] + 1)
+        plan.pending.add(self.number(meta))
+        self.saving.setdefault(meta.step, set()).add(rid)
+
+    def settle_held(self, meta: BlockdMetadata, plans: dict[str, Plan], degraded: bool,
+                    grow: list[Growth]) -> list[str]:
+        """Requests that ended with generated blocks not saved yet: once their append is
+        answered, save them from the vLLM blocks vLLM kept for them; blocks whose K/V the
+        request computed and that were never appended (an append was still in flight in the
+        steps that completed them) are appended now (``grow``), and saved in a later step. Then
+        vLLM may free the blocks (``sent``: the worker reports the request in
+        ``finished_sending`` after this step's saves). Never held beyond that: in degraded mode,
+        or when the K/V is gone, the blocks are let go unsaved (nothing more commits). Returns
+        the requests settled."""
+        settled = []
+        for rid, plan in plans.items():
+            if not plan.held:
+                continue
+            gone = degraded or plan.abandoned
+            if plan.appending and not gone:
+                continue  # the append's answer is still to come
+            if (plan.to_save and not gone and plan.savable(plan.kv_upto, self.B)
+                    and plan.to_save[-1] < len(plan.vblocks)):
+                self.counters["generated_blocks"] += len(plan.to_save)
+                self.save(meta, rid, plan, plan.to_save, plan.vblocks)
+                plan.to_save = []
+            elif plan.to_save or plan.appending:
+                plan.growth_lost = True
+            if not (gone or plan.growth_lost):
+                tokens = plan.generated(plan.kv_upto, self.B)
+                if tokens and plan.num_tokens + len(tokens) <= len(plan.vblocks) * self.B:
+                    grow.append(Growth(rid, plan, tokens))
+                    continue  # still held: the append's answer, then the step saving it
+            plan.held, plan.vblocks, plan.to_save = False, [], []
+            meta.sent.append(rid)
+            settled.append(rid)
+        return settled
+
+    def reported(self, report: Any, plans: dict[str, Plan]) -> set[str]:
+        """A step's save report from the workers: the plans it concerns (a failed save marks
+        its plan failed)."""
+        self.worker_step = max(self.worker_step, report.done)
+        touched: set[str] = set()
+        for step_no in report.ok | report.failed:
+            for rid in self.saving.pop(step_no, ()):
+                plan = plans.get(rid)
+                if plan is None or step_no not in plan.pending:
+                    continue  # dropped, or a later plan of the same request
+                plan.pending.discard(step_no)
+                if step_no in report.failed and not plan.failed:
+                    plan.failed = True
+                    self.counters["save_failures"] += 1
+                touched.add(rid)
+        return touched

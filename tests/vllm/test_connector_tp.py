@@ -1,0 +1,64 @@
+"""Tensor parallel (issue 27, item 5): a real vLLM engine with ``tensor_parallel_size=2``.
+
+vLLM's CPU build runs two worker processes, one per rank, each holding one of the tiny model's
+two KV heads (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: one core each). blockd's pool has two shards
+(``pool.tp_size: 2``, ``num_kv_heads: 1`` per shard): the scheduler side attaches one session
+with ``tp_size=2``, each rank saves and loads its own shard, a commit waits for every rank's
+save report (vLLM aggregates them) and a fence for every rank's slot of the fence page. Shown
+with tokens: the second round is served from blockd and gives the tokens the engine computed
+for each prompt alone (under a salt of its own, which no other prompt shares), which a rank
+reading the other rank's heads would not. The last rank to exit detaches the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_support import (
+    Engine,
+    connector_config,
+    connector_figures,
+    hits,
+    retired,
+    shared_prefix_workload,
+    start_daemon,
+    stats,
+    undegraded,
+)
+
+TP = 2
+#: One core per rank; the engine core shares them (vLLM's CPU build reserves a core for NIXL
+#: with a kv_transfer_config otherwise: docs/vllm.md, "On CPU").
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    d = start_daemon(tmp_path_factory.mktemp("blockd_tp"), num_blocks=256,
+                     pool={"tp_size": TP, "num_kv_heads": 1})
+    yield d
+    d.stop()
+
+
+def test_two_ranks_save_and_load_their_shards_with_the_tokens_of_computing(
+        daemon, model_dir: Path) -> None:
+    work = shared_prefix_workload(seed=23)
+    with Engine(model_dir, connector_config(daemon, "acme", "alice"), env=ENV,
+                tensor_parallel_size=TP) as e:
+        # Each prompt computed alone: a salt of its own shares nothing with any other request.
+        computed = [e.generate([p], cache_salt=f"alone-{i}")["tokens"][0]
+                    for i, p in enumerate(work)]
+        first = undegraded(e, lambda: e.generate(work))  # saves skipped while degraded
+        assert first["tokens"] == computed
+        retired(daemon)
+        again = undegraded(e, lambda: e.generate(work))
+        assert again["num_cached"] == hits(work), connector_figures(again, e)
+        assert again["tokens"] == computed
+        assert again["metrics"]["vllm:blockd_loaded_blocks"] > 0
+        assert again["metrics"].get("vllm:blockd_load_failures", 0) == 0
+        assert again["metrics"].get("vllm:blockd_save_failures", 0) == 0
+        retired(daemon)
+    # A clean exit: the last rank to retire detached the one session.
+    assert stats(daemon).num_sessions == 0
