@@ -50,16 +50,21 @@ from typing import Any
 import grpc
 import yaml
 
-from blockd.api.v1 import blockd_pb2 as pb
-from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.runtime.tenants_file import token_hash
-from blockd_apps.launch import spawn, terminate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from source_daemon import (  # noqa: E402
+    Session,
+    admit,
+    cpu_seconds,
+    daemon,
+    ms,
+    release,
+    write_config,
+)
+
+from blockd.api.v1 import blockd_pb2_grpc as pb_grpc  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYOUT = pb.KvLayout(block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
-                     dtype=pb.KV_DTYPE_FLOAT16, kv_order=pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM,
-                     tp_size=1)
-NS = pb.CacheNamespace(model_id="bench", model_revision="r1")
 TENANTS = ("fill-a", "fill-b", "probe")
 #: A scraper process: GET /metrics in a loop for ``seconds``, then print how many it did.
 SCRAPER = """
@@ -75,60 +80,26 @@ print(n)
 
 def _config(work: Path, args: argparse.Namespace, metrics: dict[str, Any]) -> Path:
     n_blocks = args.sequences * args.blocks
-    tenants = [{"id": t, "quota_blocks": n_blocks + 4096, "max_sequences": args.sequences,
-                "work_units_per_second": 0} for t in TENANTS]
-    workers = [{"name": f"w-{t}", "token_sha256": token_hash(f"tok-{t}"), "tenants": [t]}
-               for t in TENANTS]
-    (work / "tenants.yaml").write_text(yaml.safe_dump({"tenants": tenants, "workers": workers}))
-    cfg = {"server": {"unix_socket": str(work / "b.sock"), "tcp_address": "",
-                      "handle_socket": str(work / "h.sock")},
-           "metrics": {"address": "127.0.0.1:0", **metrics},
-           "pool": {"block_size": 4, "num_blocks": n_blocks + 4096, "num_layers": 1,
-                    "num_kv_heads": 1, "head_dim": 8, "dtype": "float16"},
-           "tenants": {"file": str(work / "tenants.yaml"), "allow_anonymous": False}}
-    path = work / "blockd.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-class _Session:
-    def __init__(self, stub: pb_grpc.BlockdServiceStub, tenant: str) -> None:
-        self.stub, self.md = stub, (("authorization", f"Bearer tok-{tenant}"),)
-        att = stub.Attach(pb.AttachRequest(worker_name=f"w-{tenant}", tenant_id=tenant,
-                                           layout=LAYOUT), metadata=self.md)
-        self.sid, self.epoch, self.step_id = att.session_id, att.epoch, 0
-
-    def step(self, ops: list[pb.Operation]) -> pb.StepResponse:
-        self.step_id += 1
-        resp: pb.StepResponse = self.stub.Step(pb.StepRequest(
-            session_id=self.sid, epoch=self.epoch, step_id=self.step_id, fence=0,
-            operations=ops), metadata=self.md)
-        return resp
-
-
-def _admit(tokens: list[int]) -> pb.Operation:
-    return pb.Operation(admit=pb.AdmitOp(namespace=NS, token_ids=tokens))
+    return write_config(work, [{"id": t, "quota_blocks": n_blocks + 4096,
+                                "max_sequences": args.sequences, "work_units_per_second": 0}
+                               for t in TENANTS], n_blocks + 4096,
+                        metrics={"address": "127.0.0.1:0", **metrics})
 
 
 def _fill(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace) -> float:
-    sessions = [_Session(stub, t) for t in TENANTS[:2]]
+    sessions = [Session(stub, t) for t in TENANTS[:2]]
     length = args.blocks * 4 - 1  # `blocks` blocks, the last one partial
     t0 = time.perf_counter()
     done = 0
     while done < args.sequences:
         chunk = range(done, min(args.sequences, done + 400))
-        ops = [_admit([1 + i * length + k for k in range(length)]) for i in chunk]
+        ops = [admit([1 + i * length + k for k in range(length)]) for i in chunk]
         resp = sessions[(done // 400) % 2].step(ops)
         bad = [r.status for r in resp.results if r.status.code != 0]
         if bad:
             raise SystemExit(f"filling failed at {done}: {bad[0]}")
         done += len(ops)
     return time.perf_counter() - t0
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _idle_on_cpu1() -> None:
@@ -143,6 +114,15 @@ def _scrapers(args: argparse.Namespace, host: str, port: int) -> list[subprocess
             for _ in range(args.scrapers)]
 
 
+def _collect(procs: list[subprocess.Popen[str]], probe: Session) -> list[int]:
+    """Each scraper's count; the probe's lease is renewed while they run (on a loaded machine an
+    idle-class scraper can take far longer than its --scrape-seconds to start and finish)."""
+    while any(p.poll() is None for p in procs):
+        probe.heartbeat()
+        time.sleep(1.0)
+    return [int(p.communicate()[0].strip() or 0) for p in procs]
+
+
 def _scrape(host: str, port: int) -> float:
     t0 = time.perf_counter()
     c = http.client.HTTPConnection(host, port, timeout=30)
@@ -152,56 +132,40 @@ def _scrape(host: str, port: int) -> float:
     return time.perf_counter() - t0
 
 
-def _admits(probe: _Session, n: int) -> list[float]:
+def _admits(probe: Session, n: int) -> list[float]:
     out = []
     for i in range(n):
         t0 = time.perf_counter()
-        resp = probe.step([_admit([7, 7, 7, 10_000_000 + i])])
+        resp = probe.step([admit([7, 7, 7, 10_000_000 + i])])
         out.append(time.perf_counter() - t0)
         seq = resp.results[0].admit.sequence_id
-        probe.step([pb.Operation(release=pb.ReleaseOp(sequence_id=seq))])
+        probe.step([release(seq)])
     return out
-
-
-def _ms(xs: list[float], q: float) -> float:
-    return 1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def measure(name: str, source: Path, args: argparse.Namespace, metrics: dict[str, Any]
             ) -> dict[str, Any]:
-    env_before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        str(source / p) for p in ("", "apps", "clients", "gpu"))
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            pin = ((lambda: os.sched_setaffinity(0, {0})) if args.placement == "isolated"
-                   else None)
-            launched = spawn(_config(Path(tmp), args, metrics), Path(tmp), ready_timeout=120,
-                             preexec_fn=pin)
-            try:
-                return _run(name, launched.proc.pid, launched.endpoints, args, metrics)
-            finally:
-                terminate(launched.proc)
-    finally:
-        if env_before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = env_before
+    """One daemon of the tree ``source`` (``metrics``: its extra metrics settings)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pin = (lambda: os.sched_setaffinity(0, {0})) if args.placement == "isolated" else None
+        with daemon(source, _config(Path(tmp), args, metrics), Path(tmp), preexec_fn=pin
+                    ) as launched:
+            return _run(name, launched.proc.pid, launched.endpoints, args, metrics)
 
 
 def _run(name: str, pid: int, endpoints: dict[str, str], args: argparse.Namespace,
          metrics: dict[str, Any]) -> dict[str, Any]:
-    channel = grpc.insecure_channel(f"unix:{endpoints['unix']}")
-    stub = pb_grpc.BlockdServiceStub(channel)
+    ch = grpc.insecure_channel(f"unix:{endpoints['unix']}")
+    stub = pb_grpc.BlockdServiceStub(ch)
     fill_s = _fill(stub, args)
     host, _, port_text = endpoints["metrics"].rpartition(":")
     port = int(port_text)
     scrapes = [_scrape(host, port) for _ in range(args.scrapes)]
-    cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     procs = _scrapers(args, host, port)
     flood = sum(int(p.communicate()[0].strip() or 0) for p in procs)
-    cpu_s, wall_s = _cpu_seconds(pid) - cpu0, time.perf_counter() - t0
-    probe = _Session(stub, "probe")
+    cpu_s, wall_s = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    probe = Session(stub, "probe")
     _admits(probe, 50)  # warm-up
     alone = _admits(probe, args.admits)
     procs = _scrapers(args, host, port)
@@ -209,17 +173,17 @@ def _run(name: str, pid: int, endpoints: dict[str, str], args: argparse.Namespac
     t0 = time.perf_counter()
     beside = _admits(probe, args.admits)
     beside_s = time.perf_counter() - t0
-    counts = [int(p.communicate()[0].strip() or 0) for p in procs]
+    counts = _collect(procs, probe)
     alone_again = _admits(probe, args.admits)
-    channel.close()
+    ch.close()
     alone_all = alone + alone_again
     row = {"source": name, "metrics": metrics, "fill_seconds": fill_s,
-           "scrape_ms_p50": _ms(scrapes, 0.5), "scrape_ms_p90": _ms(scrapes, 0.9),
+           "scrape_ms_p50": ms(scrapes, 0.5), "scrape_ms_p90": ms(scrapes, 0.9),
            "flood_scrapes_per_second": flood / wall_s,
            "daemon_cpu_ms_per_scrape": 1000 * cpu_s / max(1, flood),
            "daemon_cpu_share_under_scrapers": cpu_s / wall_s,
-           "admit_ms_p50_alone": _ms(alone_all, 0.5), "admit_ms_p99_alone": _ms(alone_all, 0.99),
-           "admit_ms_p50_scraped": _ms(beside, 0.5), "admit_ms_p99_scraped": _ms(beside, 0.99),
+           "admit_ms_p50_alone": ms(alone_all, 0.5), "admit_ms_p99_alone": ms(alone_all, 0.99),
+           "admit_ms_p50_scraped": ms(beside, 0.5), "admit_ms_p99_scraped": ms(beside, 0.99),
            "admits_scraped_within_s": beside_s,
            "scrapes_per_second": sum(counts) / args.scrape_seconds}
     row["admit_p50_ratio"] = row["admit_ms_p50_scraped"] / row["admit_ms_p50_alone"]

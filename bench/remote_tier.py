@@ -100,8 +100,10 @@ class Node:
                          num_kv_heads=layout["num_kv_heads"], head_dim=layout["head_dim"],
                          dtype=DTYPES[layout["dtype"]],
                          kv_order=pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM, tp_size=1)
+        # The longest lease: a node idles while the other works (a cluster fail-over can take
+        # seconds on a loaded machine) and sends no heartbeats meanwhile.
         att = self.stub.Attach(pb.AttachRequest(worker_name="bench", tenant_id="default",
-                                                layout=kv))
+                                                layout=kv, lease_ms=300_000))
         self.sid, self.epoch = att.session_id, att.epoch
         self.step_id = 0
         self.fence = 0

@@ -16,7 +16,6 @@ bench/results/replay_flood.json. No timed assertion: the figures are the result.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import platform
@@ -27,39 +26,25 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 import zmq
 
-from blockd.api.v1 import blockd_pb2 as pb
-from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd.runtime.tenants_file import token_hash
-from blockd_apps.launch import spawn, terminate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from source_daemon import LAYOUT, NS, cpu_seconds, daemon, metrics, write_config  # noqa: E402
+
+from blockd.api.v1 import blockd_pb2 as pb  # noqa: E402
+from blockd.api.v1 import blockd_pb2_grpc as pb_grpc  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYOUT = pb.KvLayout(block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
-                     dtype=pb.KV_DTYPE_FLOAT16, kv_order=pb.KV_ORDER_BLOCK_TOKEN_HEAD_DIM,
-                     tp_size=1)
-NS = pb.CacheNamespace(model_id="bench", model_revision="r1")
-MD = (("authorization", "Bearer tok-g"),)
-
-
-def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+MD = (("authorization", "Bearer tok-g"),)  # worker w-g
 
 
 def _metrics(address: str) -> dict[str, float]:
-    host, _, port = address.rpartition(":")
-    c = http.client.HTTPConnection(host, int(port), timeout=30)
-    c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
-    c.close()
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("blockd_kv_event_")}
+    return metrics(address, "blockd_kv_event_")
 
 
 def _fill(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace) -> None:
-    att = stub.Attach(pb.AttachRequest(worker_name="g", tenant_id="g", layout=LAYOUT),
+    att = stub.Attach(pb.AttachRequest(worker_name="w-g", tenant_id="g", layout=LAYOUT),
                       metadata=MD)
     step_id = fence = 0
 
@@ -84,26 +69,14 @@ def _fill(stub: pb_grpc.BlockdServiceStub, args: argparse.Namespace) -> None:
 
 
 def measure(name: str, source: Path, args: argparse.Namespace) -> dict[str, Any]:
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        str(source / p) for p in ("", "apps", "clients", "gpu"))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        (work / "t.yaml").write_text(yaml.safe_dump({
-            "tenants": [{"id": "g", "quota_blocks": 1024, "sharing": "group", "group": "x",
-                         "work_units_per_second": 0}],
-            "workers": [{"name": "g", "token_sha256": token_hash("tok-g"), "tenants": ["g"]}]}))
-        (work / "blockd.yaml").write_text(yaml.safe_dump({
-            "server": {"unix_socket": str(work / "b.sock"), "tcp_address": "",
-                       "handle_socket": str(work / "h.sock")},
-            "metrics": {"address": "127.0.0.1:0"},
-            "pool": {"block_size": 4, "num_blocks": 2048, "num_layers": 1, "num_kv_heads": 1,
-                     "head_dim": 8, "dtype": "float16"},
-            "events": {"zmq_endpoint": "tcp://127.0.0.1:*",
-                       "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv@bench@model",
-                       "batch_ms": 0},
-            "tenants": {"file": str(work / "t.yaml"), "allow_anonymous": False}}))
-        launched = spawn(work / "blockd.yaml", work, ready_timeout=120)
-        try:
+        cfg = write_config(
+            work, [{"id": "g", "quota_blocks": 1024, "sharing": "group", "group": "x",
+                    "work_units_per_second": 0}], 2048,
+            events={"zmq_endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
+                    "topic": "kv@bench@model", "batch_ms": 0})
+        with daemon(source, cfg, work) as launched:
             ep, pid = launched.endpoints, launched.proc.pid
             ctx = zmq.Context()
             sub = ctx.socket(zmq.SUB)  # the live stream: what the replay buffer holds
@@ -122,7 +95,7 @@ def measure(name: str, source: Path, args: argparse.Namespace) -> dict[str, Any]
             kept = sorted(sizes)[-args.batches:]  # the newest replay_buffer batches
             batches, buffer_bytes = len(kept), sum(sizes[k] for k in kept)
             before = _metrics(ep["metrics"])
-            cpu0, t0 = _cpu(pid), time.perf_counter()
+            cpu0, t0 = cpu_seconds(pid), time.perf_counter()
             attacker = ctx.socket(zmq.DEALER)
             attacker.connect(ep["kv_replay"])
             for _ in range(args.requests):
@@ -137,17 +110,15 @@ def measure(name: str, source: Path, args: argparse.Namespace) -> dict[str, Any]
                 if sum(now.get(k, 0) - before.get(k, 0) for k in answered_key) >= args.requests:
                     break
                 time.sleep(0.1)
-            last = _cpu(pid)
+            last = cpu_seconds(pid)
             while True:  # until the process is idle (the ZMQ I/O thread's sends included)
                 time.sleep(0.5)
-                cur = _cpu(pid)
+                cur = cpu_seconds(pid)
                 if cur - last < 0.02:
                     break
                 last = cur
             cpu_s, wall_s = cur - cpu0, time.perf_counter() - t0
             after = _metrics(ep["metrics"])
-        finally:
-            terminate(launched.proc)
 
     def delta(key: str) -> float | None:
         k = f"blockd_kv_event_{key}_total"

@@ -84,7 +84,7 @@ def run_config(name: str, work: list[list[int]], warmup: int, tmp: Path) -> dict
         ch = grpc.insecure_channel(f"unix:{d.endpoints['unix']}")
         stub = pb_grpc.BlockdServiceStub(ch)
         att = stub.Attach(pb.AttachRequest(worker_name="bench", tenant_id="default",
-                                           layout=LAYOUT))
+                                           layout=LAYOUT, lease_ms=300_000))  # no heartbeats
         sid, epoch = att.session_id, att.epoch
         step_id = 0
         lat: list[float] = []

