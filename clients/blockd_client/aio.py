@@ -11,8 +11,9 @@ import grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd_client.client import Connection
+from blockd_client.errors import BlockdError
 from blockd_client.requests import layout_proto
-from blockd_client.session import SessionState, SessionViews, StepOutcome
+from blockd_client.session import SessionState, SessionViews, StepOutcome, left_in_doubt
 
 
 class AsyncClient(Connection):
@@ -56,11 +57,33 @@ class AsyncSession(SessionViews):
     def __init__(self, client: AsyncClient, state: SessionState) -> None:
         self.client = client
         self.state = state
+        #: The last Step, when its call ended without an answer (``Session.in_doubt``).
+        self.in_doubt: pb.StepRequest | None = None
 
     async def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
         ops = list(ops)
-        resp = await self.client.call(self.client.stub.Step, self.state.request(ops))
+        req = self.state.request(ops)
+        try:
+            resp = await self.client.call(self.client.stub.Step, req)
+        except BlockdError as err:
+            self.in_doubt = left_in_doubt(req, err)
+            raise
+        self.in_doubt = None
         return self.state.apply(ops, resp)
+
+    async def settle(self) -> StepOutcome | None:
+        """As ``Session.settle``: ``in_doubt`` sent again with its step_id, so that it applies
+        exactly once; its outcome, or None when nothing is in doubt."""
+        req = self.in_doubt
+        if req is None:
+            return None
+        try:
+            resp = await self.client.call(self.client.stub.Step, req)
+        except BlockdError as err:
+            self.in_doubt = left_in_doubt(req, err)
+            raise
+        self.in_doubt = None
+        return self.state.apply(list(req.operations), resp, fence=req.fence)
 
     def complete(self, fence: int) -> None:
         self.state.complete(fence)

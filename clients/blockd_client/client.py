@@ -27,10 +27,10 @@ import grpc
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd.api.v1 import blockd_pb2_grpc as pb_grpc
-from blockd_client.errors import UNANSWERED, BlockdError, EpochChanged
+from blockd_client.errors import BlockdError, EpochChanged
 from blockd_client.requests import layout_proto
 from blockd_client.retry import Credential, RetryPolicy, channel_options
-from blockd_client.session import SessionState, SessionViews, StepOutcome
+from blockd_client.session import SessionState, SessionViews, StepOutcome, left_in_doubt
 from blockd_client.stream import StepStreamer
 
 T = TypeVar("T")
@@ -135,7 +135,7 @@ class Session(SessionViews):
         except BlockdError as err:
             # An unanswered Step may have been applied: kept for ``settle`` (a later Step
             # supersedes it: its step_id can no longer be answered).
-            self.in_doubt = req if err.status in UNANSWERED else None
+            self.in_doubt = left_in_doubt(req, err)
             self._maybe_new_epoch(err)
             raise
         self.in_doubt = None
@@ -154,8 +154,7 @@ class Session(SessionViews):
         try:
             resp = self._send(req)
         except BlockdError as err:
-            if err.status not in UNANSWERED:
-                self.in_doubt = None  # refused: not applied, and never will be
+            self.in_doubt = left_in_doubt(req, err)
             self._maybe_new_epoch(err)
             raise
         self.in_doubt = None

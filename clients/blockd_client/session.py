@@ -16,8 +16,16 @@ from typing import Any
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd_client import fences
+from blockd_client.errors import UNANSWERED, BlockdError
 from blockd_client.requests import StepCounter
 from blockd_client.tables import BlockTables
+
+
+def left_in_doubt(req: pb.StepRequest, err: BlockdError) -> pb.StepRequest | None:
+    """What a Step call ``req`` that failed with ``err`` leaves in doubt: ``req`` itself when
+    the daemon may have applied it (a status of ``UNANSWERED``: ``settle`` sends it again),
+    else nothing (refused: not applied, and never will be)."""
+    return req if err.status in UNANSWERED else None
 
 
 @dataclass

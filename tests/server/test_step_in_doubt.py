@@ -1,11 +1,13 @@
 """A Step whose call ended without an answer (``Session.in_doubt``) applies exactly once:
 ``Session.settle()`` sends it again with its step_id and gets its answer whether the daemon had
-applied it or never got it. Real daemon processes; the answer is lost in a real relay
-(``answer_relay``) or the daemon is stopped (SIGSTOP) while the call's deadline passes.
+applied it or never got it; ``AsyncSession`` the same. Real daemon processes; the answer is lost
+in a real relay (``answer_relay``) or the daemon is stopped (SIGSTOP) while the call's deadline
+passes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from daemon_proc import TOKENS, Daemon, md, start
 import blockd_client.requests as rq
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd_client import BlockdError, Client, Session
+from blockd_client.aio import AsyncClient
 from blockd_gpu import KvLayout
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
@@ -126,3 +129,37 @@ def test_a_refused_resend_is_no_longer_in_doubt_and_state_is_unchanged(
         assert info.value.field == "step_id"
         assert s.in_doubt is None
         assert figures(daemon) == (1, idle[1] - 3)
+
+
+def test_the_async_session_settles_a_lost_answer_from_the_record(
+        daemon: Daemon, tmp_path: Path) -> None:
+    idle = figures(daemon)
+
+    async def lose_and_settle(relay: AnswerRelay) -> None:
+        c = AsyncClient(relay.target, token=TOKENS["alice"], timeout=0.5, retries=1,
+                        reconnect_s=0.0)
+        try:
+            s = await c.attach("acme", LAYOUT, worker_name="alice", map_pool=False)
+            relay.hold()
+            with pytest.raises(BlockdError) as info:
+                await s.step([rq.admit(PROMPT, NS)])
+            assert info.value.status == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert s.in_doubt is not None
+            admitted = await asyncio.to_thread(wait_for, daemon, (1, idle[1] - 3))
+            assert admitted == (1, idle[1] - 3)
+            relay.let_go()
+            late = await s.settle()
+            assert late is not None and late.ok(), late
+            assert late.fence == 1 and late.results[0].admit.num_tokens == len(PROMPT)
+            assert figures(daemon) == admitted  # from the record, not applied again
+            assert s.in_doubt is None and await s.settle() is None
+            out = await s.step([rq.release(late.results[0].admit.sequence_id)])
+            assert out.ok() and out.fence == 2
+            s.complete(out.fence)
+            await s.step([])  # reports the completed fence
+        finally:
+            await c.close()
+
+    with AnswerRelay(daemon.endpoints["unix"], tmp_path / "relay.sock") as relay:
+        asyncio.run(lose_and_settle(relay))
+    assert wait_for(daemon, idle) == idle
