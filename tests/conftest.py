@@ -14,15 +14,17 @@ what the launcher started: that also finds a daemon started some other way (a te
 parent subprocess died is still found, this process is made a child subreaper (Linux): orphans
 of its subtree are re-parented to it instead of to init.
 
-Under pytest-xdist (``make test`` runs ``-n 3 --dist loadfile``) each worker is its own pytest
-session, so the check holds per worker: each one is a subreaper and checks its own descendants
-at the end of its session. ``pytest_xdist_make_scheduler`` makes each test module one unit of
-work (its module-scoped daemon starts once) and every test that starts vLLM engines
-(``ENGINE_PATHS``) one unit, run first, by one worker, one test after another: each vLLM
-engine takes both cores of a small machine while it starts (and the session-scoped engine,
-``alone``, starts once). xdist's own
-``--dist loadgroup`` cannot do this here: it renames node ids through ``item._nodeid``, which
-pytest 9 no longer reads, so its ``xdist_group`` marks have no effect.
+Under pytest-xdist each worker is its own pytest session, so the check holds per worker: each
+one is a subreaper and checks its own descendants at the end of its session. ``make test`` runs
+the suite in two parts: every module but the engine tests (``ENGINE_PATHS``) on 3 workers
+(``-n 3 --dist loadfile``), then the engine tests alone, without xdist: an engine with the
+connector needs both cores of a small machine, and beside other workers its calls to blockd ran
+past their deadlines. ``pytest_xdist_make_scheduler`` makes each test module one unit of work
+(its module-scoped daemon starts once) and, for a run over the whole tree on workers
+(``pytest -n 3 --dist loadfile``), every test that starts vLLM engines one unit, run first, by
+one worker, one test after another (the session-scoped engine, ``alone``, starts once). xdist's
+own ``--dist loadgroup`` cannot do this here: it renames node ids through ``item._nodeid``,
+which pytest 9 no longer reads, so its ``xdist_group`` marks have no effect.
 """
 
 from __future__ import annotations
@@ -66,13 +68,14 @@ TESTS = Path(__file__).resolve().parent
 #: Under pytest-xdist (``--dist loadfile``): the tests that start vLLM engines (these
 #: directories and modules, relative to the root directory as in node ids) are one unit of
 #: work, ``ENGINE_UNIT``, handed out first and so run on one worker, one test after another;
-#: every other test module is a unit of its own. A new module that starts engines belongs here.
+#: every other test module is a unit of its own. A new module that starts engines goes under
+#: tests/vllm/ (``make test`` runs that directory apart, after the rest).
 ENGINE_PATHS = ("tests/vllm/",)
 ENGINE_UNIT = "vLLM engines"
-#: Long modules handed out right after ``ENGINE_UNIT`` (to the other workers), so that the
-#: run does not end with one of them alone behind the engine chain. The vLLM connector bench
-#: starts its engines in its own subprocesses, one at a time, beside the engine chain: its
-#: figures are not asserted (a bench measures on a quiet machine), only their presence.
+#: Long modules handed out first after ``ENGINE_UNIT``, so that the run does not end with one
+#: of them alone. The vLLM connector bench starts its engines in its own subprocesses, one at
+#: a time, beside the other workers' modules: its figures are not asserted (a bench measures
+#: on a quiet machine), only their presence.
 EARLY_MODULES = ("tests/bench/test_vllm_connector_bench.py",)
 
 
