@@ -33,12 +33,12 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from blockd.core.contract import KVManager
 from blockd.core.coordinator import PartitionCoordinator
 from blockd.core.errors import InvalidArgument
-from blockd.core.events import POOL, BlockStored, CoreEvent
+from blockd.core.events import POOL, BlockRemoved, BlockStored, CoreEvent
 from blockd.core.namespace import PrefixScope
 from blockd.core.results import AdmitResult, DoesNotFit
 from blockd.core.spec import PoolSpec
@@ -114,9 +114,8 @@ def redis_settings(cfg: TiersConfig) -> RedisSettings:
         fetches_per_tenant=cfg.remote_fetches_per_tenant)
 
 
-def _bounded_put(d: OrderedDict[bytes, bytes] | OrderedDict[tuple[str, bytes], bytes],
-                 key: object, value: bytes, limit: int) -> None:
-    d[key] = value  # type: ignore[index]
+def _bounded_put(d: OrderedDict[Any, Any], key: object, value: object, limit: int) -> None:
+    d[key] = value
     if len(d) > limit:
         d.popitem(last=False)
 
@@ -149,8 +148,18 @@ class _Fetch:
     start: int
     expected: list[Expected]
     first: bytes
-    #: Filled on the fetcher thread: the checked bytes of blocks start.., and bad keys.
+    #: Filled on the fetcher thread: the checked bytes of blocks start.., and the keys the
+    #: cluster answered it does not hold, or held a bad value for (deleted).
     good: list[memoryview] = field(default_factory=list)
+    gone: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Published:
+    """A block handed to the cluster: its remote key, and its announcement once written."""
+
+    key: bytes
+    stored: BlockStored
 
 
 
@@ -183,21 +192,24 @@ class RemoteTier:
         self._root_memo: OrderedDict[bytes, bytes] = OrderedDict()
         self._chains: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
         self._present: OrderedDict[bytes, bytes] = OrderedDict()
+        #: Remote key -> the removal of a block this daemon announced on ``REMOTE``.
+        self._announced: OrderedDict[bytes, BlockRemoved] = OrderedDict()
         self._missed: dict[bytes, float] = {}
         self._in_flight: dict[bytes, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._storage: Storage | None = None
         self._recovery: Recovery | None = None
         self._after: Callable[[], None] = lambda: None
-        self._announce: Callable[[BlockStored], None] | None = None
+        self._announce: Callable[[CoreEvent], None] | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop, storage: Storage, recovery: Recovery,
-              after: Callable[[], None], announce: Callable[[BlockStored], None]) -> None:
+              after: Callable[[], None], announce: Callable[[CoreEvent], None]) -> None:
         """Connect (a degraded start if the cluster is not reachable: logged, exported,
         retried) and listen to the core. Fetched blocks are written through ``storage``,
         journalled by ``recovery``, then ``after()`` (the daemon's compaction and checks);
         a block the cluster accepted is announced (``announce``: the event log's sink) as a
-        ``BlockStored`` of the ``remote`` tier."""
+        ``BlockStored`` of the ``remote`` tier, and as its ``BlockRemoved`` once a fetch of
+        this daemon finds it gone (``_gone``)."""
         self._announce = announce
         self.client.on_written = self._written
         self._loop = loop
@@ -262,7 +274,7 @@ class RemoteTier:
         job = _Fetch(partition, tenant_id, scope, tokens, start,
                      expectations(self.keys, root, chain, tokens, self.block_size, start), first)
         keys = [redis_key(e.key) for e in job.expected]
-        if not self.client.fetch(FetchJob(keys, lambda raw: self._fetched(job, raw),
+        if not self.client.fetch(FetchJob(keys, lambda raw, unread: self._fetched(job, raw, unread),
                                           tenant=tenant_id)):
             return 0
         self.stats.fetches += 1
@@ -271,8 +283,9 @@ class RemoteTier:
             self._missed = {k: t for k, t in self._missed.items() if now - t < self.retry_s}
         return stop - start
 
-    def _fetched(self, job: _Fetch, raw: list[bytes | None]) -> None:
-        """On the fetcher thread: check the values in order, keep the good prefix."""
+    def _fetched(self, job: _Fetch, raw: list[bytes | None], unread: frozenset[int]) -> None:
+        """On the fetcher thread: check the values in order, keep the good prefix; note the
+        keys found gone (answered "no such key", or the bad value, deleted)."""
         bad = []
         length = self.slot_bytes[job.partition]
         for value, expected in zip(raw, job.expected, strict=True):
@@ -280,8 +293,11 @@ class RemoteTier:
             if isinstance(out, str):
                 if out == "bad_value":
                     bad.append(redis_key(expected.key))
+                    job.gone.append(expected.key)
                 break
             job.good.append(out)
+        job.gone += [e.key for i, (value, e) in enumerate(zip(raw, job.expected, strict=True))
+                     if value is None and i not in unread]
         if bad:
             self.client.delete(bad)
         loop = self._loop
@@ -306,6 +322,18 @@ class RemoteTier:
             _bounded_put(self._present, e.key, b"", MAX_PRESENT)
         if joined < len(job.expected):
             self._missed[job.expected[joined].key] = time.monotonic()
+        for key in job.gone:
+            self._gone(key)
+
+    def _gone(self, key: bytes) -> None:
+        """The cluster no longer holds ``key`` (flushed, evicted, expired, or its value was
+        bad): published again when it is committed again, and if this daemon announced it
+        on ``REMOTE``, its removal is announced (the cluster itself says nothing of what it
+        drops: a removal is only ever seen by a fetch)."""
+        self._present.pop(key, None)
+        removed = self._announced.pop(key, None)
+        if removed is not None and self._announce is not None:
+            self._announce(removed)
 
     def _join(self, job: _Fetch) -> int:
         """The fetched blocks join the tenant's lower tier, journalled like a Step."""
@@ -333,8 +361,12 @@ class RemoteTier:
     def _announce_all(self, tags: list[object]) -> None:
         if self._announce is None:
             return
-        for ev in tags:
-            if isinstance(ev, BlockStored):
+        for tag in tags:
+            if isinstance(tag, _Published):
+                ev = tag.stored
+                _bounded_put(self._announced, tag.key,
+                             BlockRemoved(ev.block, ev.key, ev.namespace_label,
+                                          ev.sharing_domain, REMOTE), MAX_PRESENT)
                 self._announce(ev)
 
     # -- publishing -----------------------------------------------------------------------------
@@ -372,7 +404,7 @@ class RemoteTier:
         expected = Expected(key, parent, self.keys.token_digest(ev.token_bytes))
         announced = dataclasses.replace(ev, tier=REMOTE, root_key=b"")
         if self.client.publish(redis_key(key), pack_value(self.keys, self.layout, expected, buf),
-                               announced):
+                               _Published(key, announced)):
             self.stats.published_blocks += 1
             _bounded_put(self._present, key, b"", MAX_PRESENT)
         else:

@@ -363,27 +363,31 @@ class RedisRemote:
                     return
                 self._connect()  # nothing to fetch: the publisher probes
                 continue
-            values = self._read(job.keys)
+            values, unread = self._read(job.keys)
             try:
-                job.done(values)
+                job.done(values, unread)
             except Exception:  # the runtime's callback only schedules work on its loop
                 log.exception("remote tier: a fetch's callback failed")
 
-    def _read(self, keys: list[bytes]) -> list[bytes | None]:
+    def _read(self, keys: list[bytes]) -> tuple[list[bytes | None], frozenset[int]]:
+        """Each key's value (None: none), and the indices of the keys left unanswered."""
         out: list[bytes | None] = [None] * len(keys)
         client = self._connect()
         if client is None:
             self.counters.dropped["down"] += 1
-            return out
+            return out, frozenset(range(len(keys)))
         t0 = time.perf_counter()
         results = self._by_node(client, [("get", k) for k in keys])
+        unread = set(range(len(results), len(keys)))
         for i, r in enumerate(results[:len(keys)]):
             if isinstance(r, bytes):
                 out[i] = r
                 self.counters.values_read += 1
                 self.counters.bytes_read += len(r)
+            elif r is not None:  # an error in place of the answer
+                unread.add(i)
         self._timed("get", t0)
-        return out
+        return out, frozenset(unread)
 
     def _timed(self, op: str, t0: float) -> None:
         self.counters.seconds[op].observe(time.perf_counter() - t0)

@@ -54,7 +54,9 @@ class RemoteCounters:
 @dataclass
 class FetchJob:
     keys: list[bytes]
-    #: Called on the fetcher thread with one raw value (or None) per key.
-    done: Callable[[list[bytes | None]], None]
+    #: Called on the fetcher thread with one raw value per key (None: no value) and the
+    #: indices of the keys the cluster gave no answer for (a master down, a timeout): only the
+    #: other Nones say that the cluster holds no such key.
+    done: Callable[[list[bytes | None], frozenset[int]], None]
     #: Whose fetch it is: fetches are served tenant by tenant, in turn.
     tenant: str = ""

@@ -72,9 +72,11 @@ def test_a_round_with_many_keys_on_a_dead_master_keeps_the_tier_up(cluster: Redi
         _publish(remote, written, got, keys)
         assert set(written) == set(keys) - on_victim  # the live masters' keys are written
         assert remote.up and sum(remote.counters.errors.values()) == len(on_victim)
-        values = remote._read(keys)  # the fetcher's read: the dead master's keys miss
+        values, unread = remote._read(keys)  # the fetcher's read: the dead master's keys miss
         assert {k for k, v in zip(keys, values, strict=True) if v is not None} == \
             set(keys) - on_victim
+        # ... as unanswered, not as "no such key": the keys are not taken for gone.
+        assert {keys[i] for i in unread} == on_victim
         assert all(v == b"v:" + k for k, v in zip(keys, values, strict=True) if v is not None)
         assert remote.up and remote.counters.connects == 1  # never dropped and rebuilt
     finally:
@@ -117,8 +119,8 @@ def test_a_slot_map_pointing_at_the_wrong_master_is_reloaded_on_moved(
         _publish(remote, written, got, keys)
         assert set(written) == set(keys)  # reloaded in this round, nothing dropped
         assert sum(remote.counters.errors.values()) == 0 and remote.up
-        values = remote._read(keys)
-        assert values == [b"v:" + k for k in keys]
+        values, unread = remote._read(keys)
+        assert values == [b"v:" + k for k in keys] and unread == frozenset()
     finally:
         remote.close()
 
@@ -132,8 +134,8 @@ def test_a_round_no_master_answers_counts_each_command_once_and_takes_the_tier_d
         keys = [f"blockd:gone:{i}".encode() for i in range(N)]
         for port in cluster.ports:
             cluster.kill(port)
-        values = remote._read(keys)
-        assert values == [None] * N
+        values, unread = remote._read(keys)
+        assert values == [None] * N and unread == frozenset(range(N))
         assert sum(remote.counters.errors.values()) == N, remote.counters.errors
         assert not remote.up
     finally:

@@ -165,3 +165,46 @@ def test_blocks_the_cluster_holds_are_announced_with_the_remote_medium(
         remote = [(k, t) for m, k, t in stored if m == "REMOTE"]
         assert sorted(remote) == sorted(pool[:3])  # the same keys and tokens, on REMOTE
         assert remote[0][1] == tokens[:4]
+
+
+def remote_events(d: Daemon, kind: str, want: int) -> list[tuple[bytes, ...]]:
+    """The block hashes of the first ``want`` ``kind`` events on ``REMOTE`` (from the first)."""
+    from daemon_proc import pb
+
+    calls = d.stub("unix").WatchEvents(pb.WatchEventsRequest(since_sequence=1),
+                                       metadata=(("authorization", "Bearer tok-admin"),),
+                                       timeout=10)
+    got: list[tuple[bytes, ...]] = []
+    for ev in calls:
+        if ev.WhichOneof("event") == kind and getattr(ev, kind).medium == "REMOTE":
+            got.append(tuple(bytes(h) for h in getattr(ev, kind).block_hashes))
+            if sum(len(g) for g in got) >= want:
+                break
+    calls.cancel()
+    return got
+
+
+def test_an_announced_entry_a_fetch_finds_gone_is_announced_removed_and_published_again(
+        tmp_path: Path, cluster: RedisCluster) -> None:
+    """The cluster drops values silently (a flush here; eviction or a TTL alike): node A,
+    which announced the prompt's blocks on ``REMOTE``, announces their removal when its own
+    fetch of them finds no such key, and publishes them again when they are computed again.
+    Its pool (8 blocks) and host tier (4 slots) are filled by other prompts first, so that the
+    prompt is asked of the cluster."""
+    tokens = list(range(9100, 9114))
+    with node(tmp_path, "a", cluster, host_bytes=4 * SLOT) as a:
+        run_worker(a, "write", "carol", "initech", tokens)
+        assert wait_metric(a, "blockd_remote_written_values_total", 3) >= 3
+        stored = remote_events(a, "block_stored", 3)
+        for i in range(1, 5):  # 12 blocks of other prompts push it out of the pool and host
+            run_worker(a, "write", "carol", "initech", [t + 100 * i for t in tokens])
+        assert wait_metric(a, "blockd_remote_written_values_total", 15) >= 15
+        for p in cluster.ports:
+            cluster.cli(p, "flushall")
+        got = run_worker(a, "read", "carol", "initech", tokens, wait_for_remote=True)
+        assert got["cached"] == 0 and got["pattern_ok"]
+        removed = remote_events(a, "block_removed", 3)
+        assert sorted(h for g in removed for h in g) == sorted(h for g in stored for h in g)
+        written = a.metric("blockd_remote_written_values_total")
+        run_worker(a, "write", "carol", "initech", tokens)  # computed again: published again
+        assert wait_metric(a, "blockd_remote_written_values_total", written + 3) >= written + 3
