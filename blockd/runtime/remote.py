@@ -191,9 +191,9 @@ class RemoteTier:
         self._roots: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
         self._root_memo: OrderedDict[bytes, bytes] = OrderedDict()
         self._chains: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
-        self._present: OrderedDict[bytes, bytes] = OrderedDict()
-        #: Remote key -> the removal of a block this daemon announced on ``REMOTE``.
-        self._announced: OrderedDict[bytes, BlockRemoved] = OrderedDict()
+        #: Remote key -> the removal to announce when it is found gone (None: not announced
+        #: by this daemon, e.g. fetched, or not written yet).
+        self._present: OrderedDict[bytes, BlockRemoved | None] = OrderedDict()
         self._missed: dict[bytes, float] = {}
         self._in_flight: dict[bytes, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -319,7 +319,7 @@ class RemoteTier:
                 log.exception("remote tier: fetched blocks could not join the lower tier")
         stats.adopted_blocks += joined
         for e in job.expected[:joined]:
-            _bounded_put(self._present, e.key, b"", MAX_PRESENT)
+            _bounded_put(self._present, e.key, self._present.get(e.key), MAX_PRESENT)
         if joined < len(job.expected):
             self._missed[job.expected[joined].key] = time.monotonic()
         for key in job.gone:
@@ -330,8 +330,7 @@ class RemoteTier:
         bad): published again when it is committed again, and if this daemon announced it
         on ``REMOTE``, its removal is announced (the cluster itself says nothing of what it
         drops: a removal is only ever seen by a fetch)."""
-        self._present.pop(key, None)
-        removed = self._announced.pop(key, None)
+        removed = self._present.pop(key, None)
         if removed is not None and self._announce is not None:
             self._announce(removed)
 
@@ -364,7 +363,7 @@ class RemoteTier:
         for tag in tags:
             if isinstance(tag, _Published):
                 ev = tag.stored
-                _bounded_put(self._announced, tag.key,
+                _bounded_put(self._present, tag.key,
                              BlockRemoved(ev.block, ev.key, ev.namespace_label,
                                           ev.sharing_domain, REMOTE), MAX_PRESENT)
                 self._announce(ev)
@@ -406,6 +405,6 @@ class RemoteTier:
         if self.client.publish(redis_key(key), pack_value(self.keys, self.layout, expected, buf),
                                _Published(key, announced)):
             self.stats.published_blocks += 1
-            _bounded_put(self._present, key, b"", MAX_PRESENT)
+            _bounded_put(self._present, key, None, MAX_PRESENT)
         else:
             self.stats.not_published["queue"] += 1

@@ -62,14 +62,7 @@ class AsyncSession(SessionViews):
 
     async def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
         ops = list(ops)
-        req = self.state.request(ops)
-        try:
-            resp = await self.client.call(self.client.stub.Step, req)
-        except BlockdError as err:
-            self.in_doubt = left_in_doubt(req, err)
-            raise
-        self.in_doubt = None
-        return self.state.apply(ops, resp)
+        return await self._exchange(self.state.request(ops), ops)
 
     async def settle(self) -> StepOutcome | None:
         """As ``Session.settle``: ``in_doubt`` sent again with its step_id, so that it applies
@@ -77,13 +70,18 @@ class AsyncSession(SessionViews):
         req = self.in_doubt
         if req is None:
             return None
+        return await self._exchange(req, list(req.operations), fence=req.fence)
+
+    async def _exchange(self, req: pb.StepRequest, ops: list[pb.Operation],
+                        fence: int | None = None) -> StepOutcome:
+        """As ``Session._exchange``."""
         try:
             resp = await self.client.call(self.client.stub.Step, req)
         except BlockdError as err:
             self.in_doubt = left_in_doubt(req, err)
             raise
         self.in_doubt = None
-        return self.state.apply(list(req.operations), resp, fence=req.fence)
+        return self.state.apply(ops, resp, fence=fence)
 
     def complete(self, fence: int) -> None:
         self.state.complete(fence)

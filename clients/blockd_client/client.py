@@ -129,17 +129,7 @@ class Session(SessionViews):
         step's kernels, then call ``complete_on_stream(outcome.fence)`` (or ``complete`` once
         the host knows they are done)."""
         ops = list(ops)
-        req = self.state.request(ops)
-        try:
-            resp = self._send(req)
-        except BlockdError as err:
-            # An unanswered Step may have been applied: kept for ``settle`` (a later Step
-            # supersedes it: its step_id can no longer be answered).
-            self.in_doubt = left_in_doubt(req, err)
-            self._maybe_new_epoch(err)
-            raise
-        self.in_doubt = None
-        return self.state.apply(ops, resp)
+        return self._exchange(self.state.request(ops), ops)
 
     def settle(self) -> StepOutcome | None:
         """The answer of ``in_doubt``, the last Step, whose call ended without one (None when
@@ -151,6 +141,13 @@ class Session(SessionViews):
         req = self.in_doubt
         if req is None:
             return None
+        return self._exchange(req, list(req.operations), fence=req.fence)
+
+    def _exchange(self, req: pb.StepRequest, ops: list[pb.Operation],
+                  fence: int | None = None) -> StepOutcome:
+        """Send Step ``req`` (of ``ops``) and apply its answer. A call that ended unanswered
+        leaves it ``in_doubt`` (it may have been applied: ``settle``); an answer or a refusal
+        (a later Step supersedes it: its step_id can no longer be answered) leaves nothing."""
         try:
             resp = self._send(req)
         except BlockdError as err:
@@ -158,7 +155,7 @@ class Session(SessionViews):
             self._maybe_new_epoch(err)
             raise
         self.in_doubt = None
-        return self.state.apply(list(req.operations), resp, fence=req.fence)
+        return self.state.apply(ops, resp, fence=fence)
 
     def _send(self, req: pb.StepRequest) -> pb.StepResponse:
         if self.streamer is None:
