@@ -163,8 +163,10 @@ class PoolConfig:
     tp_size: int = option(1, "Tensor-parallel shards: the pool holds one plane per shard.")
     prefault: bool = option(False, "Touch every page at creation, so the first steps do not "
                                    "pay for page faults.")
-    fence_poll_ms: float = option(2.0, "How often the daemon reads the sessions' fence pages, "
-                                       "milliseconds.")
+    fence_poll_ms: float = option(2.0, "How often the daemon reads the fence pages of sessions "
+                                       "with a fence announced and not completed, "
+                                       "milliseconds (with none, it sleeps until a Step "
+                                       "announces one).")
 
     def __post_init__(self) -> None:
         if self.backend not in wire.BACKENDS:

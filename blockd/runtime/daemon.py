@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from blockd import logs
@@ -74,6 +74,8 @@ class Daemon:
         self.budgets.set_overrides(self.tenants.budgets)
         self.events = EventLog()
         self.ids = SequenceIds()
+        #: Called after a Step announced a fence (the server's fence poller wakes on it).
+        self.on_fence: Callable[[], None] = lambda: None
         #: Failed Step operations and batch entries, by status name (a bounded label set).
         self.op_errors: Counter[str] = Counter()
         layout = partition_layout(self.tenants.tenants, self.spec.num_blocks)
@@ -306,10 +308,13 @@ class Daemon:
             self._journalled()
         return n
 
-    def poll_fences(self) -> None:
-        """Apply what every worker published in its fence page."""
-        self.sessions.poll_fences()
+    def poll_fences(self) -> bool:
+        """Apply what the workers published in their fence pages; True while a session still
+        has a fence announced and not completed (the poller sleeps until the next Step when
+        none has: ``server.app.poll_fences``)."""
+        pending = self.sessions.poll_fences()
         self._journalled()
+        return pending
 
     # -- Step ----------------------------------------------------------------------------------
 
@@ -346,6 +351,8 @@ class Daemon:
         if resp.scrubbed_blocks:  # ids of the session's partition, zeroed in its pool
             self.pools[partition].zero_blocks(list(resp.scrubbed_blocks))
         self._journalled()
+        if req.fence:
+            self.on_fence()
         return resp
 
     # -- queries -------------------------------------------------------------------------------

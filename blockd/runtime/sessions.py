@@ -357,9 +357,20 @@ class Sessions:
         if value:
             self._completed(info, self.m.complete_fence(info.id, value, clamp_to_issued=True))
 
-    def poll_fences(self) -> None:
+    def poll_fences(self) -> bool:
+        """Read the fence page of every session that has a fence announced and not completed
+        (an idle session's page is not read); True while one still has."""
+        pending = False
         for info in list(self._by_id.values()):
+            if info.fence_page is None or not self._fence_pending(info):
+                continue
             self.poll_fence(info)
+            pending = pending or self._fence_pending(info)
+        return pending
+
+    def _fence_pending(self, info: SessionInfo) -> bool:
+        view = self.m.session_view(info.id)
+        return view.issued_fence > view.completed_fence
 
     def complete_fence(self, info: SessionInfo, fence: int) -> None:
         """A fence the worker reported by RPC (Heartbeat): beyond those issued is refused."""

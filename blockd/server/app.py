@@ -68,6 +68,25 @@ async def every(interval_ms: float, fn: Callable[[], object], what: str) -> None
             log.exception("periodic task failed", extra=logs.fields(task=what))
 
 
+async def poll_fences(interval_ms: float, daemon: Daemon) -> None:
+    """Read the sessions' fence pages every ``interval_ms`` while a fence is announced and
+    not completed; with none, sleep until a Step announces one (``Daemon.on_fence``), so an
+    idle daemon does not wake 500 times a second. A Step runs on this loop, between two
+    awaits, so none can announce a fence between the last poll and the wait."""
+    wake = asyncio.Event()
+    daemon.on_fence = wake.set
+    while True:
+        await asyncio.sleep(interval_ms / 1000)
+        try:
+            pending = daemon.poll_fences()
+        except Exception:
+            log.exception("periodic task failed", extra=logs.fields(task="polling fence pages"))
+            continue
+        if not pending:
+            wake.clear()
+            await wake.wait()
+
+
 def check_invariants(daemon: Daemon, metrics: Metrics) -> None:
     """One periodic invariant check: a violation (the core's ``Internal``, raised under
     ``python -O`` too) is counted and logged, and the daemon keeps serving."""
@@ -282,8 +301,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
 
         tasks += [asyncio.create_task(every(cfg.lease.reap_interval_ms, daemon.reap,
                                             "reaping expired sessions")),
-                  asyncio.create_task(every(cfg.pool.fence_poll_ms, daemon.poll_fences,
-                                            "polling fence pages"))]
+                  asyncio.create_task(poll_fences(cfg.pool.fence_poll_ms, daemon))]
         if sc.invariant_check_interval_ms > 0:
             tasks.append(asyncio.create_task(every(sc.invariant_check_interval_ms,
                                                    lambda: check_invariants(daemon, metrics),
