@@ -10,17 +10,11 @@ flight). Lifecycle of one request id: queued -> in flight -> answered -> taken b
 or "no hit"), or answered "pending" (blockd fetches its prefix from the remote tier: the caller
 promises vLLM an async load and asks ``again`` until it is not). A request that ends before its
 answer is taken never leaks its sequence: the answer, when it comes, is released.
-
-A request can also be queued when it reaches the engine core (``arrive``, from vLLM's
-``on_new_request``), before any ``schedule()`` asks for it: its admit is then sent at once
-(``early``), and the first ask may wait for it (``wait_early``), so the request is scheduled in
-the first step that sees it instead of one step later.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -55,8 +49,7 @@ Answer = Plan | Pending | int
 
 class Admits:
     def __init__(self, settings: Settings, namespace: EngineNamespace, B: int,
-                 counters: Counter[str], release: Callable[[Plan], None],
-                 lock: threading.RLock | None = None) -> None:
+                 counters: Counter[str], release: Callable[[Plan], None]) -> None:
         self.settings = settings
         self.namespace = namespace
         self.B = B
@@ -72,10 +65,6 @@ class Admits:
         self._waiting: dict[str, float] = {}
         #: Requests whose admit was lost once to a re-attached session (``resend``).
         self._resent: set[str] = set()
-        #: Requests queued on arrival (``arrive``) and not answered yet.
-        self.early: set[str] = set()
-        #: Notified (under the side's ``lock``) whenever an admit is answered.
-        self._answered = threading.Condition(lock) if lock is not None else None
 
     def ask(self, request: Any) -> Plan | int | None:
         """The answer for ``request`` (a plan, or NO_HIT), or None: not answered yet."""
@@ -89,26 +78,6 @@ class Admits:
         if rid not in self.in_flight:
             self.queued[rid] = request  # new: it goes with this schedule()'s Step
         return None
-
-    def arrive(self, request: Any) -> None:
-        """``request`` reached the engine core: its admit goes with the next Step sent."""
-        self.queued[request.request_id] = request
-        self.early.add(request.request_id)
-
-    def forget_early(self) -> None:
-        """The arrivals queued are not sent early after all: they go with a ``schedule()``'s
-        Step, and no ask waits for them."""
-        self.early.clear()
-
-    def wait_early(self, timeout: float) -> bool:
-        """Wait (the side's lock held, released while waiting) until every admit queued on
-        arrival is answered, at most ``timeout`` seconds; False when one still is not."""
-        def done() -> bool:
-            self.early = {r for r in self.early if r in self.in_flight or r in self.queued}
-            return not self.early
-        if self._answered is None:
-            return done()
-        return self._answered.wait_for(done, timeout)
 
     def pending(self, rid: str) -> Pending | None:
         """The "pending" answer of ``rid``, taken (the caller answers vLLM ``(n, True)``)."""
@@ -193,9 +162,6 @@ class Admits:
     def settle(self, rid: str, answer: Answer) -> None:
         """The final answer of an admit in flight."""
         self.in_flight.pop(rid, None)
-        self.early.discard(rid)
-        if self._answered is not None:
-            self._answered.notify_all()
         if not isinstance(answer, Pending):
             self._waiting.pop(rid, None)
             self._resent.discard(rid)
@@ -239,7 +205,6 @@ class Admits:
     def finished(self, rid: str) -> None:
         """The request ended (or was aborted) before it took its answer."""
         self.queued.pop(rid, None)
-        self.early.discard(rid)
         self._waiting.pop(rid, None)
         self._resent.discard(rid)
         if rid in self.in_flight:

@@ -11,11 +11,9 @@ does the copies and publishes the fence (``blockd_vllm.worker``). Enabled with::
                                                          "token_file": "/var/run/blockd/token"}}'
 
 (docs/vllm.md). Loads are synchronous from the scheduler's view (they finish inside the step,
-before attention reads the blocks), saves are reported a step later. The scheduler role makes no
-call to blockd: a new request's admit is sent when it arrives (``on_new_request``, off the
-scheduler thread), and its first ask waits for the answer at most ``admit_wait_s``, once per
-``schedule()``; unanswered, or when it could not be sent early, the request is answered None
-until its admit is answered, at most a step or two; a request
+before attention reads the blocks), saves are reported a step later. The scheduler role never
+waits on blockd: a new request is answered None until its admit (sent with the other admits of
+the same ``schedule()``, off the scheduler thread) is answered, at most a step or two; a request
 that ended with a generated block still to save keeps its vLLM blocks for one more step
 (``request_finished`` answers True, the worker reports it in ``finished_sending``). While
 blockd fetches a prompt's prefix from its remote tier the answer is ``(n, True)``: vLLM's
@@ -151,10 +149,6 @@ class BlockdConnector(KVConnectorBase_V1):
 
     def _block_ids(self, request_id: str) -> Any:
         return self._kv_cache_manager.get_block_ids(request_id)
-
-    def on_new_request(self, request: Any) -> None:
-        if self.scheduler is not None:
-            self.scheduler.arrived(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:

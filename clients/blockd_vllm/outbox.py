@@ -105,25 +105,6 @@ class Steps:
         None: not applied; new_epoch: because the session re-attached)."""
         self.outbox.put(lambda: self.call(ops), lambda res: then(*self.applied(res)))
 
-    def send_taken(self, take: Callable[[], tuple[list[str], list[Any]]],
-                   then: Callable[[list[str], Any, bool], None]) -> None:
-        """Queue a Step of the operations ``take()`` gives (under the side's lock) when the
-        outbox gets to it, so that what was queued meanwhile goes with it; ``then(names,
-        outcome, new_epoch)``, ``names`` what ``take`` named. Nothing is sent when ``take``
-        gives no operation."""
-        taken: list[tuple[list[str], list[Any]]] = []
-
-        def call() -> tuple[Any, bool] | None:
-            with self._side_lock:
-                taken.append(take())
-            return self.call(taken[0][1]) if taken[0][1] else None
-
-        def apply(res: tuple[Any, bool] | None) -> None:
-            if taken and taken[0][1]:
-                then(taken[0][0], *self.applied(res))
-
-        self.outbox.put(call, apply)
-
     def call(self, ops: list[Any]) -> tuple[Any, bool]:
         """On the outbox thread (the link's lock held): one Step."""
         with self._side_lock:

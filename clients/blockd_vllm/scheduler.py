@@ -1,15 +1,10 @@
 """The scheduler side: which prompt blocks blockd holds, pins them, and plans loads and saves.
 
 One blockd session per engine (attached at engine start with the KV shape vLLM's config implies,
-so a block-size or layout mismatch refuses to start). vLLM's scheduler thread makes no call to
+so a block-size or layout mismatch refuses to start). vLLM's scheduler thread never waits on
 blockd: every call goes through the ``Outbox`` (``blockd_vllm.outbox``), whose thread makes it
 and applies its answer under this side's lock; the hooks only read and write plans. Per request:
 
-0. ``on_new_request`` (``arrived``): the admit is sent at once, with whatever else arrives
-   before the outbox takes it, and the first ask of such a request waits for the answers, at
-   most ``admit_wait_s`` and once per ``schedule()`` (``_wait_early``), so the requests are
-   scheduled in the step that first sees them. Not while a commit or release of this engine
-   is due (``_early_ok``: it goes first); then step 1 as written.
 1. ``get_num_new_matched_tokens``: the first ask queues the prompt's admit and answers None
    (vLLM skips the request this step and asks again next step); the admits of one
    ``schedule()`` go out in one Step after it (``blockd_vllm.admits``). The next ask returns the
@@ -58,12 +53,12 @@ from collections import Counter
 from typing import Any
 
 from blockd.api.v1 import blockd_pb2 as pb
+from blockd_client import EpochChanged
 from blockd_client import requests as rq
 from blockd_vllm.admits import Admits, Pending
 from blockd_vllm.copies import Copies, Growth
 from blockd_vllm.layout import KvShape
 from blockd_vllm.link import Link
-from blockd_vllm.link_events import LinkEvents, under_lock
 from blockd_vllm.metadata import BlockdMetadata, PoolRef
 from blockd_vllm.namespace import EngineNamespace
 from blockd_vllm.outbox import Steps
@@ -87,7 +82,16 @@ def hook(method: Any) -> Any:
     return run
 
 
-class SchedulerSide(LinkEvents):
+def under_lock(method: Any) -> Any:
+    """Run ``method`` under the side's lock (from the link's or the outbox's thread)."""
+    def run(self: SchedulerSide, *args: Any) -> Any:
+        with self._lock:
+            return method(self, *args)
+    run.__doc__ = method.__doc__
+    return run
+
+
+class SchedulerSide:
     def __init__(self, vllm_config: Any, settings: Settings, shape: KvShape,
                  block_ids_of: Any = None) -> None:
         self.settings = settings
@@ -108,13 +112,7 @@ class SchedulerSide(LinkEvents):
         #: Guards everything above; never held while blockd is called (``blockd_vllm.outbox``).
         self._lock = threading.RLock()
         self.admits = Admits(settings, self.namespace, self.B, self.counters,
-                             self._release_unused, self._lock)
-        #: Arrivals' admits (``arrived``): a Step taking them is queued; the ``schedules``
-        #: count of the last ``schedule()`` that waited for them; no wait before
-        #: ``_no_wait_until`` (one timed out: blockd answers slowly now).
-        self._early_put = False
-        self._waited_at = -1
-        self._no_wait_until = 0.0
+                             self._release_unused)
         self.remote = RemoteLoads(self.B, self.counters)
         self.link = Link(settings, shape, self.counters)
         #: The Steps, off the scheduler thread; ``steps.announced``: the fence of the last one
@@ -130,6 +128,47 @@ class SchedulerSide(LinkEvents):
     @property
     def degraded(self) -> bool:
         return self.link.degraded
+
+    # -- what the link tells (on the outbox's or the heartbeat thread, the link's lock held) ----
+
+    @under_lock
+    def lost(self) -> None:
+        """blockd stopped answering. A plan may still owe vLLM its loads (the tokens were
+        promised in this very schedule): it is kept, so they run from the worker's mapping
+        (which holds the bytes); it saves and commits nothing more, and is released once
+        blockd answers (same epoch) or dropped (new epoch)."""
+        for rid, plan in self.plans.items():
+            plan.abandoned = True
+            self.dirty.add(rid)
+        self.admits.drop_plans(release=True)
+
+    @under_lock
+    def late_answer(self, outcome: Any) -> None:
+        """The answer of the Step that went unanswered when blockd stopped answering, got once
+        it answers again (``Session.settle``): blockd applied it (then, or now). Its requests
+        were computed without the cache, so the sequences its admits created are released
+        (nothing else names them: left, they would hold their blocks until the session
+        ends); its commits and releases took effect with its fence, announced here."""
+        for res in outcome.results:
+            if not res.status.code and res.WhichOneof("result") == "admit":
+                self.to_release.append(res.admit.sequence_id)
+                self.counters["late_admits_released"] += 1
+        self.steps.announced = max(self.steps.announced, outcome.fence)
+
+    @under_lock
+    def epoch_changed(self, err: EpochChanged) -> None:
+        log.warning("blockd_vllm: blockd's pool epoch changed (%d -> %d): %d plans abandoned, "
+                    "their requests compute what they did not load yet", err.old, err.new,
+                    len(self.plans))
+        for rid, plan in self.plans.items():  # loads still run from the old mapping
+            plan.abandoned = True
+            self.dirty.add(rid)
+        self.admits.drop_plans(release=False)
+        self.to_release.clear()  # sequences of the old epoch no longer exist
+        # The new session's fences start again; copies in flight concern the old pool only.
+        self.steps.announced = 0
+        self._told = 0
+        self.copies.worker_step = self.copies.step_no
 
     @under_lock
     def tick(self) -> bool:
@@ -193,8 +232,6 @@ class SchedulerSide(LinkEvents):
                 self.admits.finished(rid)  # a pending answer of it is let go
                 return 0, False
             answer = self.admits.ask(request)
-            if answer is None and self._wait_early(rid):
-                answer = self.admits.ask(request)
             if answer is None:
                 pending = self.admits.pending(rid)
                 if pending is not None:
@@ -208,54 +245,6 @@ class SchedulerSide(LinkEvents):
             plan = self.plans[rid] = answer
         plan.local_tokens = num_computed
         return max(0, plan.hit_tokens - num_computed), False
-
-    @hook
-    def arrived(self, request: Any) -> None:
-        """vLLM's ``on_new_request``: the request's admit is sent now, with whatever else
-        arrives before the outbox gets to it (``Admits.arrive``), unless a commit or release
-        of this engine is due first (``_early_ok``)."""
-        if (self.settings.admit_wait_s <= 0 or self.degraded or not self.eligible(request)
-                or not self._early_ok()):
-            return
-        self.admits.arrive(request)
-        self.counters["early_admits"] += 1
-        if not self._early_put:
-            self._early_put = True
-            self.steps.send_taken(self._take_early, self._early_answered)
-
-    def _early_ok(self) -> bool:
-        """No commit or release of this engine is due and no ended request has a save left:
-        a ``schedule()``'s admits go after those in its Step (a conversation's next turn hits
-        what the last one committed), and an early admit must not overtake them."""
-        if self.to_release or self._finishing():
-            return False
-        return not any(p is not None and (p.abandoned or p.decide(self.B) != (False, False))
-                       for p in map(self.plans.get, self.dirty))
-
-    def _take_early(self) -> tuple[list[str], list[pb.Operation]]:
-        """On the outbox thread, under the lock: the arrivals' admits, now or never (then the
-        next ``schedule()``'s Step carries them)."""
-        self._early_put = False
-        if self.degraded or not self._early_ok():
-            self.admits.forget_early()
-            return [], []
-        return self.admits.take()
-
-    def _early_answered(self, rids: list[str], outcome: Any, new_epoch: bool) -> None:
-        self._admitted(rids, outcome.results if outcome is not None else None,
-                       outcome is None and new_epoch)
-
-    def _wait_early(self, rid: str) -> bool:
-        """Wait for the answers to the admits sent on arrival: at the first ask of one of
-        them, once per ``schedule()``, at most ``admit_wait_s``. True when it waited."""
-        if (rid not in self.admits.early or self._waited_at == self.counters["schedules"]
-                or time.monotonic() < self._no_wait_until):
-            return False
-        self._waited_at = self.counters["schedules"]
-        if not self.admits.wait_early(self.settings.admit_wait_s):
-            self.counters["admit_wait_timeouts"] += 1
-            self._no_wait_until = time.monotonic() + self.settings.retry_interval_s
-        return True
 
     def _release_unused(self, plan: Plan) -> None:
         """An admitted plan no request took (it ended first, or blockd went away)."""
@@ -362,19 +351,14 @@ class SchedulerSide(LinkEvents):
             if grow:
                 self._grown(grow, results[0] if results is not None else None)
             if rids:
+                asked = self.admits.resend(rids) if outcome is None and new_epoch else rids
                 tail = results[len(results) - num_admits:] if results is not None else None
-                self._admitted(rids, tail, outcome is None and new_epoch)
+                no_room, pending = self.admits.answered(asked, tail, self.session)
+                for request in no_room:
+                    self._hit_only(request)
+                for request, blocks in pending:
+                    self._promise(request, blocks)
         self.steps.send(ops, then)
-
-    def _admitted(self, rids: list[str], results: Any, resend: bool) -> None:
-        """File the answers of admits (``results`` None: not applied; ``resend``: because
-        the session re-attached, so they go again)."""
-        asked = self.admits.resend(rids) if resend else rids
-        no_room, pending = self.admits.answered(asked, results, self.session)
-        for request in no_room:
-            self._hit_only(request)
-        for request, blocks in pending:
-            self._promise(request, blocks)
 
     def _hit_only(self, request: Any) -> None:
         """No room for the whole prompt: pin just the cached prefix (loads, no saves)."""

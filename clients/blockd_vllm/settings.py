@@ -16,7 +16,6 @@ from typing import Any
 KNOWN_KEYS = frozenset({
     "target", "tenant", "token_file", "model_revision", "connect_timeout_s", "rpc_timeout_s",
     "retry_interval_s", "lease_ms", "worker_name", "remote_wait_s", "save_generated",
-    "admit_wait_s",
 })
 
 
@@ -49,12 +48,6 @@ class Settings:
     #: own prefix cache hashes them), so the next turn of a conversation hits the previous
     #: answer; false: prompt blocks only.
     save_generated: bool = True
-    #: A new request's admit is sent when it reaches the engine core (``on_new_request``);
-    #: at the first ``schedule()`` that asks for it, vLLM's scheduler waits for the answers
-    #: of the requests that arrived with it, at most this long and at most once per
-    #: ``schedule()``, so they are scheduled in that very step as vLLM alone would. 0: never
-    #: wait (a new request is skipped for one step while blockd answers).
-    admit_wait_s: float = 0.05
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Settings:
@@ -95,7 +88,6 @@ class Settings:
                    retry_interval_s=_positive(extra, "retry_interval_s", 1.0),
                    lease_ms=int(_positive(extra, "lease_ms", 0, allow_zero=True)),
                    remote_wait_s=_positive(extra, "remote_wait_s", 1.0, allow_zero=True),
-                   admit_wait_s=_positive(extra, "admit_wait_s", 0.05, allow_zero=True),
                    worker_name=str(extra.get("worker_name", "vllm")),
                    save_generated=save_generated)
 

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 KEYS = ("loaded_blocks", "saved_blocks", "load_failures", "save_failures", "map_failures")
 #: What went wrong on the scheduler side (each request it concerns was computed, or asked again).
 FAULT_KEYS = ("degraded_episodes", "epoch_changes", "admits_resent", "admit_refused",
-              "late_answers", "admit_wait_timeouts")
+              "late_answers")
 SCHEDULER_KEYS = ("schedules", "blockd_steps", "scheduler_ns", "async_loads", *FAULT_KEYS)
 DOCS = {
     "loaded_blocks": "Blocks the workers loaded from blockd.",
@@ -44,9 +44,6 @@ DOCS = {
     "admits_resent": "Admits sent again on a re-attached session (the Step carrying them "
                      "found the old session gone).",
     "admit_refused": "Admits blockd refused (those requests were computed).",
-    "admit_wait_timeouts": "Times vLLM's scheduler waited admit_wait_s for the admits sent "
-                           "when requests arrived and blockd had not answered (no wait for "
-                           "retry_interval_s after one).",
     "late_answers": "Steps that went unanswered (a deadline passed) and were answered once "
                     "blockd answered again: applied exactly once, the sequences their admits "
                     "created released.",
