@@ -53,12 +53,12 @@ from collections import Counter
 from typing import Any
 
 from blockd.api.v1 import blockd_pb2 as pb
-from blockd_client import EpochChanged
 from blockd_client import requests as rq
 from blockd_vllm.admits import Admits, Pending
 from blockd_vllm.copies import Copies, Growth
 from blockd_vllm.layout import KvShape
 from blockd_vllm.link import Link
+from blockd_vllm.link_events import LinkEvents, under_lock
 from blockd_vllm.metadata import BlockdMetadata, PoolRef
 from blockd_vllm.namespace import EngineNamespace
 from blockd_vllm.outbox import Steps
@@ -82,16 +82,7 @@ def hook(method: Any) -> Any:
     return run
 
 
-def under_lock(method: Any) -> Any:
-    """Run ``method`` under the side's lock (from the link's or the outbox's thread)."""
-    def run(self: SchedulerSide, *args: Any) -> Any:
-        with self._lock:
-            return method(self, *args)
-    run.__doc__ = method.__doc__
-    return run
-
-
-class SchedulerSide:
+class SchedulerSide(LinkEvents):
     def __init__(self, vllm_config: Any, settings: Settings, shape: KvShape,
                  block_ids_of: Any = None) -> None:
         self.settings = settings
@@ -128,47 +119,6 @@ class SchedulerSide:
     @property
     def degraded(self) -> bool:
         return self.link.degraded
-
-    # -- what the link tells (on the outbox's or the heartbeat thread, the link's lock held) ----
-
-    @under_lock
-    def lost(self) -> None:
-        """blockd stopped answering. A plan may still owe vLLM its loads (the tokens were
-        promised in this very schedule): it is kept, so they run from the worker's mapping
-        (which holds the bytes); it saves and commits nothing more, and is released once
-        blockd answers (same epoch) or dropped (new epoch)."""
-        for rid, plan in self.plans.items():
-            plan.abandoned = True
-            self.dirty.add(rid)
-        self.admits.drop_plans(release=True)
-
-    @under_lock
-    def late_answer(self, outcome: Any) -> None:
-        """The answer of the Step that went unanswered when blockd stopped answering, got once
-        it answers again (``Session.settle``): blockd applied it (then, or now). Its requests
-        were computed without the cache, so the sequences its admits created are released
-        (nothing else names them: left, they would hold their blocks until the session
-        ends); its commits and releases took effect with its fence, announced here."""
-        for res in outcome.results:
-            if not res.status.code and res.WhichOneof("result") == "admit":
-                self.to_release.append(res.admit.sequence_id)
-                self.counters["late_admits_released"] += 1
-        self.steps.announced = max(self.steps.announced, outcome.fence)
-
-    @under_lock
-    def epoch_changed(self, err: EpochChanged) -> None:
-        log.warning("blockd_vllm: blockd's pool epoch changed (%d -> %d): %d plans abandoned, "
-                    "their requests compute what they did not load yet", err.old, err.new,
-                    len(self.plans))
-        for rid, plan in self.plans.items():  # loads still run from the old mapping
-            plan.abandoned = True
-            self.dirty.add(rid)
-        self.admits.drop_plans(release=False)
-        self.to_release.clear()  # sequences of the old epoch no longer exist
-        # The new session's fences start again; copies in flight concern the old pool only.
-        self.steps.announced = 0
-        self._told = 0
-        self.copies.worker_step = self.copies.step_no
 
     @under_lock
     def tick(self) -> bool:
