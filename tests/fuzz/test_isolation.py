@@ -184,7 +184,8 @@ def test_another_tenant_cannot_flush_a_private_prefix(daemon) -> None:  # type: 
 
 def test_lookup_timing_does_not_reveal_another_tenants_prefix(daemon, acme_cached) -> None:  # type: ignore[no-untyped-def]
     """globex times Lookup of acme's cached prompt against a never-seen prompt of the same
-    length, interleaved in random order; the medians agree within 0.8..1.25."""
+    length, in pairs timed back to back in random order; the median of the pairs' ratios is
+    within 0.8..1.25."""
     b = Worker(daemon.stub(), "bob", "globex")
     assert lookup(b, PROMPT).num_cached_tokens == 0
     req = {name: pb.LookupRequest(session_id=b.sid, epoch=b.epoch, namespace=NS, token_ids=t)
@@ -207,10 +208,16 @@ def test_lookup_timing_does_not_reveal_another_tenants_prefix(daemon, acme_cache
     COUNTS["rpc.Lookup"] += 900
     assert answers == {b""}  # every answer: zero cached tokens
     med = {k: statistics.median(v) for k, v in times.items()}
+    # Each pair was timed back to back, so both share whatever load the machine had then
+    # (under a parallel suite the two series' medians drifted apart by ~20% once, 0.79, with
+    # nothing to do with the prompts): the claim is on the pairs' ratios.
+    pairs = statistics.median(c / f for c, f in zip(times["cached"], times["fresh"],
+                                                     strict=True))
     ratio = med["cached"] / med["fresh"]
     print(f"lookup medians: cached-by-acme {med['cached'] / 1e3:.1f} us, never-seen "
-          f"{med['fresh'] / 1e3:.1f} us, ratio {ratio:.3f}")
-    assert 0.8 <= ratio <= 1.25, med
+          f"{med['fresh'] / 1e3:.1f} us, ratio {ratio:.3f}; median of the pairs' ratios "
+          f"{pairs:.3f}")
+    assert 0.8 <= pairs <= 1.25, (pairs, med)
 
 
 # -- scrubbed blocks read zero in the reader's own mapping -----------------------------------

@@ -11,8 +11,9 @@ command line on stdin, heartbeating while it waits (a live worker):
   the marker, as its kernels would write K/V.
 * ``{"op": "commit", "seq": id}``: commit its full blocks; the fence is completed and
   reported (a heartbeat) before the reply.
-* ``{"op": "release", "seq": id, "report": bool}``: release it; with ``report`` false the
-  release's fence is never reported (a worker that stops reporting, still heartbeating).
+* ``{"op": "release", "seq": id, "report": bool}``: release it; the fence is completed and
+  reported (a heartbeat) before the reply, or, with ``report`` false, never reported (a worker
+  that stops reporting, still heartbeating).
 * ``{"op": "read", "blocks": [...], "marker": hex}``: ``{"marked": n}``, the blocks whose
   every byte is the marker.
 * ``{"op": "exit"}``: detach.
@@ -97,6 +98,7 @@ def main() -> None:
             reply = {"code": out.results[0].status.code}
             if cmd.get("report", True):
                 session.complete(out.fence)
+                session.heartbeat()  # reported before the reply, as a commit's fence is
         elif op == "read":
             marker = bytes.fromhex(cmd["marker"])
             marked = 0
