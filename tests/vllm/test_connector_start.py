@@ -103,7 +103,7 @@ def refusals(request: pytest.FixtureRequest, daemons: dict, model_dir: Path
                        {"block_size": 16}),
     }
     selected = {item.name for item in request.session.items}
-    engines = {name: Engine(model_dir, kv, wait=False, env=ENV, **options)
+    engines = {name: Engine(model_dir, kv, wait=False, env=ENV, one_process=False, **options)
                for name, (kv, options) in specs.items()
                if any(f"_{name}_" in test for test in selected)}
     try:
@@ -140,7 +140,7 @@ def test_clean_exit_detaches_the_session(daemons, model_dir: Path) -> None:
     the daemon (lease 60 s) logs ``reason=detach`` and holds no session at once."""
     d = daemons["good"]
     engine = Engine(model_dir, connector_config(d, "acme", "alice", worker_name="clean-exit"),
-                    env=ENV)
+                    env=ENV, one_process=False)
     try:
         prompts = shared_prefix_workload(seed=71, n=3)
         engine.generate(prompts)

