@@ -32,8 +32,6 @@ class Outbox:
         self._cv = threading.Condition()
         #: Jobs put and not yet applied (queued or running).
         self._open = 0
-        #: Jobs applied so far (``wait_applied``).
-        self.applied = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -57,12 +55,6 @@ class Outbox:
         with self._cv:
             return self._cv.wait_for(lambda: self._open == 0, timeout)
 
-    def wait_applied(self, seen: int, timeout: float) -> bool:
-        """Wait (at most ``timeout``) until more than ``seen`` jobs are applied; False on
-        timeout. Never call it holding the side's lock."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self.applied > seen or self._stop, timeout)
-
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -83,7 +75,6 @@ class Outbox:
                         log.exception("blockd_vllm: applying blockd's answer failed")
             with self._cv:
                 self._open -= 1
-                self.applied += 1
                 self._cv.notify_all()
 
     def close(self, timeout: float = 5.0) -> None:

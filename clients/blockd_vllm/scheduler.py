@@ -69,9 +69,6 @@ from blockd_vllm.stats import BlockdConnectorStats, SchedulerFigures
 
 log = logging.getLogger("blockd_vllm")
 
-#: The longest a step that schedules nothing waits for blockd's next answer (``build_meta``).
-IDLE_WAIT_S = 0.005
-
 def hook(method: Any) -> Any:
     """A hook vLLM's scheduler thread calls: run under the side's lock, its time counted."""
     def run(self: SchedulerSide, *args: Any) -> Any:
@@ -103,10 +100,6 @@ class SchedulerSide(LinkEvents):
         self.copies = Copies(self.B, self.counters)
         #: The completed fence the heartbeat thread last reported.
         self._told = 0
-        #: A request was answered None in this ``schedule()`` (its admit not answered yet),
-        #: and whether the last step scheduled nothing for that reason (``build_meta``).
-        self._skipped = False
-        self._idle_for_answers = False
         #: Guards everything above; never held while blockd is called (``blockd_vllm.outbox``).
         self._lock = threading.RLock()
         self.admits = Admits(settings, self.namespace, self.B, self.counters,
@@ -196,7 +189,6 @@ class SchedulerSide(LinkEvents):
                     if n is not None:
                         return n, True
                     self.admits.again(request, wait=False)  # nothing to wait for
-                self._skipped = True
                 return None, False
             if not isinstance(answer, Plan):
                 return answer, False  # compute everything
@@ -223,31 +215,12 @@ class SchedulerSide(LinkEvents):
 
     def build_meta(self, so: Any) -> BlockdMetadata:
         """This step's metadata (vLLM keeps stepping while it keeps a finished request's
-        blocks, so a held request's append answered late is saved by a later empty step).
-
-        A step that schedules nothing because requests wait for their admits' answers waits
-        for the next answer, at most ``IDLE_WAIT_S``, with the GIL released, instead of handing
-        vLLM's loop back at once: vLLM's engine core calls ``schedule()`` again while it has
-        requests (an empty step sleeps 1 ms), and that loop competes for the GIL with the outbox
-        thread that must send the Step and apply its answer (a tensor-parallel engine on a
-        loaded machine ran 16,914 empty schedules in one test). Measured with one-process
-        engines (bench/vllm_connector.py --one-process, 12 repetitions, consecutive runs): the
-        first token of a call came a median 42.5 ms [30, 61] after it with the wait, 56 ms
-        [41, 161] without. Nothing runs in such a step, so the wait costs no work; a request
-        arriving meanwhile is taken at most ``IDLE_WAIT_S`` later."""
-        seen = self.steps.outbox.applied
-        meta = self._build_meta(so)
-        if self._idle_for_answers:
-            t0 = time.perf_counter_ns()
-            self.steps.outbox.wait_applied(seen, IDLE_WAIT_S)
-            self.counters["idle_waits"] += 1
-            self.counters["idle_wait_ns"] += time.perf_counter_ns() - t0
-        return meta
+        blocks, so a held request's append answered late is saved by a later empty step)."""
+        return self._build_meta(so)
 
     @hook
     def _build_meta(self, so: Any) -> BlockdMetadata:
         self.counters["schedules"] += 1
-        skipped, self._skipped = self._skipped, False
         meta = BlockdMetadata()
         if so.total_num_scheduled_tokens:
             self.copies.number(meta)
@@ -293,8 +266,6 @@ class SchedulerSide(LinkEvents):
                             state.attach.pool.handle_socket_path, self.link.generation,
                             fetch_secret=state.fetch_secret)
         meta.fence = self.steps.announced
-        self._idle_for_answers = (skipped and not so.total_num_scheduled_tokens
-                                  and self.steps.outbox.busy)
         return meta
 
     def _finishing(self) -> bool:

@@ -157,10 +157,7 @@ def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Pat
     ask answers None and ``build_connector_meta`` returns at once (an RPC on the scheduler
     thread would wait for the 30 s deadline); once the daemon runs again their admits went in
     one Step, and the next asks get the answers. The connector's stats report the schedules,
-    the Steps and the scheduler thread's time. That empty schedule, which scheduled nothing
-    because its requests wait for their admits, waited for blockd's answer (at most
-    ``IDLE_WAIT_S``, with the GIL released) instead of handing vLLM's loop back at once; an empty
-    schedule with no request waiting does not wait."""
+    the Steps and the scheduler thread's time."""
     import signal
     import threading
 
@@ -187,7 +184,6 @@ def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Pat
         finally:
             d.signal(signal.SIGCONT)
         assert answers == [(None, False)] * 4
-        assert counters["idle_waits"] == 1
         assert sched.scheduler.settle(40.0)
         assert counters["blockd_steps"] - steps == 1  # the four admits in one Step
         assert [sched.get_num_new_matched_tokens(r, 0) for r in rs] == [(0, False)] * 4
@@ -199,7 +195,6 @@ def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Pat
             sched.request_finished(r, [])
         sched.build_connector_meta(step([]))  # their releases
         assert sched.scheduler.settle()
-        assert counters["idle_waits"] == 1  # nothing waited for an admit: no wait
         assert wait_live(d, 0)
     finally:
         sched.shutdown()
