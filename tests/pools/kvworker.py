@@ -4,7 +4,10 @@
 into its own mapping of the pool (``reshape_and_cache``), commit, publish the fence, detach.
 ``read``: attach, admit the same prompt, and report what its own mapping holds in the hit blocks.
 ``hold``: attach, admit, print the table and sleep (to be killed with SIGKILL).
-Prints one JSON line with the results.
+Prints one JSON line with the results. ``write`` with ``prompts`` (a list of prompts) in place
+of ``tokens`` writes each prompt in turn, each its own attach, admit, write, commit, release
+and detach as a separate ``write`` worker would, and prints one JSON list of their results:
+one process (one import of torch) where a test only pushes blocks through the pool.
 """
 
 import hashlib
@@ -36,6 +39,14 @@ def block_bytes(kv_pool: torch.Tensor, block: int) -> bytes:
 
 def main() -> None:
     mode, args = sys.argv[1], json.loads(sys.argv[2])
+    if mode == "write" and "prompts" in args:
+        reports = [work(mode, {**args, "tokens": tokens}) for tokens in args["prompts"]]
+        print(json.dumps(reports), flush=True)
+    else:
+        print(json.dumps(work(mode, args)), flush=True)
+
+
+def work(mode: str, args: dict) -> dict:
     layout = KvLayout(**args["layout"])
     client = Client(args["target"], token=args["token"])
     session = client.attach(args["tenant"], layout, worker_name=f"kvworker-{mode}",
@@ -88,7 +99,7 @@ def main() -> None:
     elif mode == "hold":
         print(json.dumps(report), flush=True)
         time.sleep(3600)
-    print(json.dumps(report), flush=True)
+    return report
 
 
 if __name__ == "__main__":

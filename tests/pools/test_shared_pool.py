@@ -34,6 +34,14 @@ def run_worker(d, mode: str, who: str, tenant: str, tokens: list[int], **kw):  #
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def write_each(d, who: str, tenant: str, prompts: list[list[int]]) -> list[dict]:  # type: ignore[no-untyped-def]
+    """``run_worker(d, "write", who, tenant, p)`` for each prompt in turn, in one worker process
+    (each prompt its own session, as separate workers): their results, in order."""
+    reports = run_worker(d, "write", who, tenant, [], prompts=prompts)
+    assert isinstance(reports, list) and len(reports) == len(prompts)
+    return reports
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
     d = start(tmp_path_factory.mktemp("pool"), num_blocks=32)

@@ -22,7 +22,7 @@ import yaml
 from cli_support import clean_env, run_refused, write_config
 from daemon_proc import kill9, restart, start
 from test_blockctl import ctl
-from test_shared_pool import run_worker
+from test_shared_pool import run_worker, write_each
 
 from blockd.tiers.base import round_up
 from blockd.tiers.disk import FILE_HEADER, tier_file
@@ -37,8 +37,9 @@ MORE = [list(range(1000 * i, 1000 * i + 14)) for i in range(6, 11)]
 
 
 def evict(d, prompts: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
-    for tokens in prompts:
-        assert run_worker(d, "write", "alice", "acme", tokens)["committed"] == 3
+    """Each prompt written and committed in turn (one worker process for them all)."""
+    for report in write_each(d, "alice", "acme", prompts):
+        assert report["committed"] == 3
 
 
 def test_an_evicted_prefix_comes_back_from_host_memory_with_its_bytes(tmp_path: Path) -> None:
