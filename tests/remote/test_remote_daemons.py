@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from daemon_proc import Daemon, start, wait_metric
 from redis_support import RedisCluster, needs_redis
-from test_shared_pool import run_worker
+from test_shared_pool import run_worker, write_each
 
 pytestmark = needs_redis
 
@@ -196,8 +196,8 @@ def test_an_announced_entry_a_fetch_finds_gone_is_announced_removed_and_publishe
         run_worker(a, "write", "carol", "initech", tokens)
         assert wait_metric(a, "blockd_remote_written_values_total", 3) >= 3
         stored = remote_events(a, "block_stored", 3)
-        for i in range(1, 5):  # 12 blocks of other prompts push it out of the pool and host
-            run_worker(a, "write", "carol", "initech", [t + 100 * i for t in tokens])
+        # 12 blocks of other prompts push it out of the pool and host (one worker process).
+        write_each(a, "carol", "initech", [[t + 100 * i for t in tokens] for i in range(1, 5)])
         assert wait_metric(a, "blockd_remote_written_values_total", 15) >= 15
         for p in cluster.ports:
             cluster.cli(p, "flushall")
