@@ -8,12 +8,26 @@ Prints one JSON line with the results. ``write`` with ``prompts`` (a list of pro
 of ``tokens`` writes each prompt in turn, each its own attach, admit, write, commit, release
 and detach as a separate ``write`` worker would, and prints one JSON list of their results:
 one process (one import of torch) where a test only pushes blocks through the pool.
+
+``python kvworker.py serve``: a fork server for the tests (``test_shared_pool.run_worker``).
+It imports what a worker needs once, then for each request line on stdin (JSON: ``mode``,
+``args``, ``timeout``) forks a worker process that runs that mode exactly as
+``python kvworker.py MODE ARGS_JSON`` would (its own attach, its own mapping of the pool, its
+stdout and stderr captured), waits for it (killed past ``timeout``), and answers one JSON line:
+``returncode``, ``stdout``, ``stderr``. Each worker is still a process of its own; only the
+seconds of importing torch are not paid again by every one. The server itself never attaches
+or maps anything, and it exits when its stdin closes.
 """
 
 import hashlib
 import json
+import os
+import select
+import signal
 import sys
+import tempfile
 import time
+import traceback
 
 import torch
 
@@ -38,7 +52,54 @@ def block_bytes(kv_pool: torch.Tensor, block: int) -> bytes:
 
 
 def main() -> None:
-    mode, args = sys.argv[1], json.loads(sys.argv[2])
+    if sys.argv[1] == "serve":
+        serve()
+        return
+    run(sys.argv[1], json.loads(sys.argv[2]))
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        req = json.loads(line)
+        print(json.dumps(fork_one(req["mode"], req["args"], req["timeout"])), flush=True)
+
+
+def fork_one(mode: str, args: dict, timeout: float) -> dict:
+    """One worker in a forked process, as ``python kvworker.py MODE ARGS_JSON`` runs it."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                run(mode, args)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pidfd = os.pidfd_open(pid)
+        try:
+            if not select.select([pidfd], [], [], timeout)[0]:
+                os.kill(pid, signal.SIGKILL)
+                err.write(f"kvworker serve: the worker ran past {timeout} s, killed\n".encode())
+        finally:
+            os.close(pidfd)
+        status = os.waitpid(pid, 0)[1]
+        out.seek(0)
+        err.seek(0)
+        return {"returncode": os.waitstatus_to_exitcode(status),
+                "stdout": out.read().decode(errors="replace"),
+                "stderr": err.read().decode(errors="replace")}
+
+
+def run(mode: str, args: dict) -> None:
     if mode == "write" and "prompts" in args:
         reports = [work(mode, {**args, "tokens": tokens}) for tokens in args["prompts"]]
         print(json.dumps(reports), flush=True)

@@ -1,10 +1,12 @@
 """The pool as workers see it: separate processes mapping the daemon's shared memory."""
 
+import atexit
 import gc
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,19 +27,63 @@ LAYOUT_ARGS = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 
 NS = rq.namespace("tiny", model_revision="r1")
 
 
-def run_worker(d, mode: str, who: str, tenant: str, tokens: list[int], **kw):  # type: ignore[no-untyped-def]
+class _ForkServer:
+    """``kvworker.py serve``, started on first use in this process: each ``run_worker`` is a
+    worker process of its own, forked from one that imported torch once (a second or two of
+    CPU per worker otherwise). It exits when this process closes its stdin (at exit)."""
+
+    proc: subprocess.Popen[str] | None = None
+    lock = threading.Lock()
+
+    @classmethod
+    def run(cls, mode: str, args: dict, timeout: float) -> dict:
+        with cls.lock:
+            if cls.proc is None or cls.proc.poll() is not None:
+                cls.proc = subprocess.Popen([sys.executable, WORKER, "serve"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            text=True)
+                atexit.register(cls.close, cls.proc)
+            assert cls.proc.stdin is not None and cls.proc.stdout is not None
+            cls.proc.stdin.write(json.dumps({"mode": mode, "args": args, "timeout": timeout})
+                                 + "\n")
+            cls.proc.stdin.flush()
+            line = cls.proc.stdout.readline()
+        assert line, f"kvworker serve exited ({cls.proc.poll()})"
+        return json.loads(line)
+
+    @staticmethod
+    def close(proc: subprocess.Popen[str]) -> None:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(30)
+
+
+def run_worker(d, mode: str, who: str, tenant: str, tokens: list[int], *,  # type: ignore[no-untyped-def]
+               fresh: bool = False, **kw):
+    """``python kvworker.py MODE ARGS_JSON`` (forked from ``kvworker.py serve``; ``fresh``: a
+    new interpreter, which imports torch first): its result.
+
+    tests/remote runs its workers ``fresh``: two of its tests pass only because of the seconds
+    a new interpreter takes to start (with forked workers, node B's remote tier is still down
+    from a dead master's failed fetches when test_a_killed_master... checks it is up, and
+    test_an_announced_entry... sometimes sees no removal announced within its 10 s)."""
     args = {"target": f"unix:{d.endpoints['unix']}", "token": TOKENS[who], "tenant": tenant,
             "layout": LAYOUT_ARGS, "tokens": tokens, **kw}
-    out = subprocess.run([sys.executable, WORKER, mode, json.dumps(args)], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    if fresh:
+        done = subprocess.run([sys.executable, WORKER, mode, json.dumps(args)],
+                              capture_output=True, text=True, timeout=120)
+        out = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+    else:
+        out = _ForkServer.run(mode, args, timeout=120)
+    assert out["returncode"] == 0, out["stderr"]
+    return json.loads(out["stdout"].strip().splitlines()[-1])
 
 
-def write_each(d, who: str, tenant: str, prompts: list[list[int]]) -> list[dict]:  # type: ignore[no-untyped-def]
+def write_each(d, who: str, tenant: str, prompts: list[list[int]], *,  # type: ignore[no-untyped-def]
+               fresh: bool = False) -> list[dict]:
     """``run_worker(d, "write", who, tenant, p)`` for each prompt in turn, in one worker process
     (each prompt its own session, as separate workers): their results, in order."""
-    reports = run_worker(d, "write", who, tenant, [], prompts=prompts)
+    reports = run_worker(d, "write", who, tenant, [], prompts=prompts, fresh=fresh)
     assert isinstance(reports, list) and len(reports) == len(prompts)
     return reports
 
