@@ -9,15 +9,12 @@ partitions changed while the daemon was down starts a new epoch instead.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 from daemon_proc import TOKENS, Daemon, kill9, restart, start, token_hash
+from test_shared_pool import LAYOUT_ARGS, run_worker
 
-KVWORKER = Path(__file__).resolve().parent.parent / "pools" / "kvworker.py"
 LAYOUT = {"block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
           "dtype": "float16"}
 TENANTS = {
@@ -32,12 +29,9 @@ PROMPT = list(range(300, 313))
 
 
 def _worker(d: Daemon, mode: str, who: str, tenant: str) -> dict:
-    args = {"target": f"unix:{d.endpoints['unix']}", "token": TOKENS[who], "tenant": tenant,
-            "layout": LAYOUT, "tokens": PROMPT}
-    out = subprocess.run([sys.executable, str(KVWORKER), mode, json.dumps(args)],
-                         capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """A ``kvworker.py`` process (forked from its fork server, test_shared_pool.run_worker)."""
+    assert LAYOUT == LAYOUT_ARGS
+    return run_worker(d, mode, who, tenant, PROMPT)
 
 
 def _restart(d: Daemon) -> Daemon:
