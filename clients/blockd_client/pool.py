@@ -23,6 +23,9 @@ from blockd_client.views import MappedPool
 
 __all__ = ["PoolView", "open_pool"]
 
+#: Linux's MAP_POPULATE (0 elsewhere: pages are then mapped on first touch).
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 
 def open_pool(handle_socket: str, session_id: str, fetch_secret: str, tenant_id: str = ""
               ) -> MappedPool:
@@ -52,7 +55,12 @@ class PoolView(MappedPool):
                                       f"(blockd_client.cuda_view.CudaPoolView)")
             (pool_fd,), fence_fd = header.split_fds(fds)
             self._adopt(header, fence_fd)
-            self._map = mmap.mmap(pool_fd, header.pool_bytes, mmap.MAP_SHARED,
+            # MAP_POPULATE: this process's page tables are filled at once. Without it every
+            # block's first copy in this process took a page fault per 4 KiB (the pages exist,
+            # posix_fallocate reserved them, but each process maps them on first touch): a
+            # first-touch copy of 64 blocks of 16 KiB took 738 us against 212 us mapped, and an
+            # engine writes new blocks for hours before it has touched a large pool once.
+            self._map = mmap.mmap(pool_fd, header.pool_bytes, mmap.MAP_SHARED | POPULATE,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             for fd in fds:
