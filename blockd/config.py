@@ -167,6 +167,11 @@ class PoolConfig:
                                        "with a fence announced and not completed, "
                                        "milliseconds (with none, it sleeps until a Step "
                                        "announces one).")
+    fence_poll_max_ms: float = option(
+        16.0, "While fences stay pending without completing, the polls back off, doubling "
+              "from fence_poll_ms up to this many milliseconds; the first completion brings "
+              "them back to fence_poll_ms. A fence completes at most this much after its "
+              "worker published it; equal to fence_poll_ms: a fixed interval.")
 
     def __post_init__(self) -> None:
         if self.backend not in wire.BACKENDS:
@@ -175,6 +180,10 @@ class PoolConfig:
         if not self.fence_poll_ms > 0:
             raise InvalidArgument(f"pool.fence_poll_ms: must be positive, got "
                                   f"{self.fence_poll_ms}", field="pool.fence_poll_ms")
+        if not self.fence_poll_max_ms >= self.fence_poll_ms:
+            raise InvalidArgument(f"pool.fence_poll_max_ms: must be at least fence_poll_ms "
+                                  f"({self.fence_poll_ms}), got {self.fence_poll_max_ms}",
+                                  field="pool.fence_poll_max_ms")
         try:
             spec = self.spec()
         except InvalidArgument as exc:

@@ -79,6 +79,9 @@ class Sessions:
                  record: Callable[[Record], None], fd_budget: fds.FdBudget | None = None,
                  fence_slots: int = 1) -> None:
         self.m = manager
+        #: Fence completions applied so far (any session's): the fence poller reads it to tell
+        #: progress from an idle wait (``server.app.poll_fences``).
+        self.fences_completed = 0
         #: Slots of a fence page (the pool's tensor-parallel shards): one rank's worker each.
         self.fence_slots = fence_slots
         self.epoch = epoch
@@ -378,6 +381,7 @@ class Sessions:
 
     def _completed(self, info: SessionInfo, done: int) -> None:
         if done:
+            self.fences_completed += 1
             self.record(FenceRecord(info.id, done))
             self._note_fences(info, 0)
 

@@ -133,6 +133,10 @@ def test_a_value_refused_by_a_check_names_the_source_that_set_it(tmp_path: Path)
     one_line(run_refused("--config", str(path), cwd=tmp_path,
                          env=clean_env(BLOCKD_POOL_BLOCK_SIZE="12")),
              "pool.block_size from $BLOCKD_POOL_BLOCK_SIZE: must be a power of two")
+    one_line(run_refused("--pool-fence-poll-ms", "4", "--pool-fence-poll-max-ms", "1",
+                         cwd=tmp_path),
+             "pool.fence_poll_max_ms from --pool-fence-poll-max-ms: must be at least "
+             "fence_poll_ms (4.0), got 1.0")
 
 
 def test_unknown_keys_and_bad_yaml_are_refused_with_a_suggestion(tmp_path: Path) -> None:
