@@ -51,12 +51,16 @@ class Copies:
         return meta.step
 
     def plan(self, meta: BlockdMetadata, rid: str, plan: Plan, computed: int, n: int,
-             vblocks: Any, grow: list[Growth]) -> None:
+             vblocks: Any, grow: list[Growth]) -> bool:
         """This step's loads of ``plan``, the saves of the prompt blocks it completes and of
         generated blocks appended before (``computed``: the tokens computed before this step,
         ``n`` the tokens it computes; ``vblocks()``: the request's vLLM blocks, None: no saves)
         and, in ``grow``, the generated tokens whose blocks it completes (blockd's blocks for
-        them come with the answer of the Step that appends them)."""
+        them come with the answer of the Step that appends them). True when the plan changed
+        (its first step, a load or a save handed out, tokens to append): only then may it be
+        ready to commit or release; a decode step that does none of these leaves it as it
+        was, so the scheduler side does not look at it again."""
+        changed = not plan.scheduled or bool(plan.loads)
         for v, b in plan.loads:
             meta.load_vllm.append(v)
             meta.load_blockd.append(b)
@@ -64,18 +68,22 @@ class Copies:
         plan.loads = []
         plan.scheduled = True
         if vblocks is None or plan.abandoned:
-            return
+            return changed
         end = computed + n
         blocks = plan.prompt_saves(end, self.B)
         if blocks:
             self.save(meta, rid, plan, list(blocks), vblocks())
+            changed = True
         if plan.savable(computed, self.B):
             self.counters["generated_blocks"] += len(plan.to_save)
             self.save(meta, rid, plan, plan.to_save, vblocks())
             plan.to_save = []
+            changed = True
         tokens = plan.generated(end, self.B)
         if tokens:
             grow.append(Growth(rid, plan, tokens))
+            changed = True
+        return changed
 
     def save(self, meta: BlockdMetadata, rid: str, plan: Plan, blocks: list[int],
              vblocks: list[int]) -> None:

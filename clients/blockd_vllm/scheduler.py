@@ -110,6 +110,9 @@ class SchedulerSide(LinkEvents):
         #: blockd answered (the worker publishes no other).
         self.steps = Steps(self.link, self._lock, self.counters, self._report_done)
         self.figures = SchedulerFigures()
+        #: When the last Step was queued (``_bookkeeping_due``); ``schedules`` at the last tick.
+        self._last_step = 0.0
+        self._ticked = 0
         self.link.start(self)
 
     @property
@@ -122,9 +125,13 @@ class SchedulerSide(LinkEvents):
 
     @under_lock
     def tick(self) -> bool:
-        """On the heartbeat thread: finish what an idle engine left; True when the completed
+        """On the heartbeat thread: finish what an idle engine left (one that ran no step
+        since the last tick, or whose ``commit_interval_s`` is due); True when the completed
         fence moved (the heartbeat then reports it at once)."""
-        if self._idle() and not self.steps.outbox.busy and (self.dirty or self.to_release):
+        stepping = self.counters["schedules"] != self._ticked
+        self._ticked = self.counters["schedules"]
+        if (self._idle() and not self.steps.outbox.busy and (self.dirty or self.to_release)
+                and (not stepping or self._bookkeeping_due())):
             ops, releases = self._resolution_ops()
             if ops:
                 self._send(ops, releases, [], [], 0)
@@ -234,10 +241,9 @@ class SchedulerSide(LinkEvents):
                 continue
             saves = None if self.block_ids_of is None or self.degraded else \
                 (lambda rid=rid: self.block_ids_of(rid)[0])
-            self.copies.plan(meta, rid, plan, computed.get(rid, 0), n, saves, grow)
-            self.dirty.add(rid)
+            if self.copies.plan(meta, rid, plan, computed.get(rid, 0), n, saves, grow):
+                self.dirty.add(rid)
         self.dirty.update(self.copies.settle_held(meta, self.plans, self.degraded, grow))
-        ops, releases = self._resolution_ops()
         appends = [rq.append_batch([g.plan.seq_id for g in grow],
                                    [t for g in grow for t in g.tokens],
                                    [len(g.tokens) for g in grow])] if grow else []
@@ -249,6 +255,9 @@ class SchedulerSide(LinkEvents):
             rids, admits = self.admits.take()
         # else: an otherwise idle engine whose requests just ended (a conversation's next
         # turn arriving at once) asks after their last saves are reported and committed.
+        # A busy engine's commits and releases may wait in ``dirty`` for a later Step.
+        carry = appends or admits or not so.total_num_scheduled_tokens or self._bookkeeping_due()
+        ops, releases = self._resolution_ops() if carry else ([], [])
         if admits and ops and self._idle() and any(o.HasField("commit") for o in ops):
             # An idle engine's own finished commits become hittable before its new admits:
             # the admits go in the next Step, which reports this one's fence done.
@@ -267,6 +276,14 @@ class SchedulerSide(LinkEvents):
                             fetch_secret=state.fetch_secret)
         meta.fence = self.steps.announced
         return meta
+
+    def _bookkeeping_due(self) -> bool:
+        """Whether a step that runs work may send a Step of commits and releases alone now
+        (``commit_interval_s``; a step that runs none sends them at once: the engine may be
+        ending)."""
+        every = self.settings.commit_interval_s
+        return every == 0 or (not self.steps.outbox.busy
+                              and time.monotonic() - self._last_step >= every)
 
     def _finishing(self) -> bool:
         """A request ended with a save still to run or to be reported (its Commit to come)."""
@@ -294,6 +311,7 @@ class SchedulerSide(LinkEvents):
     def _send(self, ops: list[pb.Operation], releases: list[str], grow: list[Growth],
               rids: list[str], num_admits: int) -> None:
         """Queue one Step; its answer is applied in order when it arrives."""
+        self._last_step = time.monotonic()
         def then(outcome: Any, new_epoch: bool) -> None:
             if outcome is None and not new_epoch:
                 self.to_release.extend(releases)  # not applied: again once blockd answers

@@ -16,6 +16,7 @@ from typing import Any
 KNOWN_KEYS = frozenset({
     "target", "tenant", "token_file", "model_revision", "connect_timeout_s", "rpc_timeout_s",
     "retry_interval_s", "lease_ms", "worker_name", "remote_wait_s", "save_generated",
+    "commit_interval_s",
 })
 
 
@@ -48,6 +49,12 @@ class Settings:
     #: own prefix cache hashes them), so the next turn of a conversation hits the previous
     #: answer; false: prompt blocks only.
     save_generated: bool = True
+    #: While the engine runs work, a Step that would carry only commits and releases goes at
+    #: most this often and not while another Step is in flight (seconds; an admit or an
+    #: append goes at once and takes what waits with it, and so does a step that runs
+    #: nothing). Fewer round trips on the engine's threads and in the daemon; a saved prefix
+    #: becomes hittable at most this much later. 0: a Step from every step that has any.
+    commit_interval_s: float = 0.05
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Settings:
@@ -89,7 +96,9 @@ class Settings:
                    lease_ms=int(_positive(extra, "lease_ms", 0, allow_zero=True)),
                    remote_wait_s=_positive(extra, "remote_wait_s", 1.0, allow_zero=True),
                    worker_name=str(extra.get("worker_name", "vllm")),
-                   save_generated=save_generated)
+                   save_generated=save_generated,
+                   commit_interval_s=_positive(extra, "commit_interval_s", 0.05,
+                                               allow_zero=True))
 
 
 def _check_target(target: str) -> None:

@@ -158,6 +158,9 @@ def plain_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
      "unknown key(s) ['tenat']"),
     ("unreadable token file", {"target": "unix:/x.sock", "tenant": "acme",
                                "token_file": "/nonexistent/token"}, "cannot be read"),
+    ("negative commit interval", {"target": "unix:/x.sock", "tenant": "acme",
+                                  "commit_interval_s": -1},
+     "kv_connector_extra_config.commit_interval_s: must be > 0"),
 ])
 def test_bad_settings_are_refused_naming_the_key(model_dir: Path, case: str, extra: dict,
                                                  needle: str) -> None:

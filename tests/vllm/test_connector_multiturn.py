@@ -87,8 +87,10 @@ def converse(sched, worker, req, vblocks: list[int], total: int,  # type: ignore
 def test_generated_blocks_are_saved_in_the_step_after_their_append(
         tmp_path: Path, model_dir: Path, save_generated: bool) -> None:
     d = start_daemon(tmp_path / "blockd")
-    extra = connector_config(d, "acme", "alice",
-                             save_generated=save_generated)["kv_connector_extra_config"]
+    # commit_interval_s 0: every step sends what it has, so the step each save lands in is
+    # exact (the prompt's commit, which an append waits for, goes at once).
+    extra = connector_config(d, "acme", "alice", save_generated=save_generated,
+                             commit_interval_s=0)["kv_connector_extra_config"]
     sched = _connector(model_dir, extra, "SCHEDULER")
     worker = _connector(model_dir, extra, "WORKER")
     kv = Blocks()
@@ -146,7 +148,7 @@ def test_blocks_completed_while_an_append_is_in_flight_are_saved_after_the_end(
     import signal
 
     d = start_daemon(tmp_path / "blockd")
-    extra = connector_config(d, "acme", "alice", rpc_timeout_s=30.0)[
+    extra = connector_config(d, "acme", "alice", rpc_timeout_s=30.0, commit_interval_s=0)[
         "kv_connector_extra_config"]
     sched = _connector(model_dir, extra, "SCHEDULER")
     worker = _connector(model_dir, extra, "WORKER")
