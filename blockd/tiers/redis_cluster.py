@@ -14,8 +14,9 @@ loop:
 Every command has a deadline (``timeout_s``, the socket timeout). Errors are counted by kind
 (``timeout``, ``connection``, ``cluster_down``, ``full``, ``auth``, ``other``) and never escape.
 The client is *down* while it cannot be built (the cluster unreachable at start, or after
-``DOWN_AFTER`` consecutive failures of rounds in which no command succeeded: a dead master
-among live ones fails its own keys only): each thread then tries to build it again every
+``DOWN_AFTER`` consecutive failures of rounds in which no command succeeded, once every master
+failed in that run: a dead master among live ones fails its own keys only, however many rounds
+ask it alone): each thread then tries to build it again every
 ``retry_s``, and publishes and fetches meanwhile are dropped (counted); when the cluster is
 back it is used again. The password is read from a file by the caller and never logged.
 """
@@ -40,9 +41,11 @@ from blockd.tiers.remote_jobs import FetchJob, RedisSettings, RemoteCounters
 
 log = logging.getLogger("blockd.remote")
 
-#: Consecutive failed commands after which the client is rebuilt from the startup nodes.
+#: Consecutive failed commands after which the client is rebuilt from the startup nodes (if
+#: every master failed meanwhile).
 DOWN_AFTER = 3
-#: Failure kinds that take the tier down at once when no master answered at all.
+#: Failure kinds that take the tier down at once when no master answered at all (every master
+#: failed since the last command that succeeded).
 DOWN_AT_ONCE = frozenset({"connection", "cluster_down"})
 #: Values one publisher pipeline writes at most.
 PUBLISH_BATCH = 64
@@ -75,6 +78,8 @@ class RedisRemote:
         self._client: RedisCluster | None = None
         self._client_lock = threading.Lock()
         self._failures = 0
+        #: The masters (by name) that failed a command since the last one that succeeded.
+        self._failing: set[str] = set()
         self._next_try = 0.0
         self._next_refresh = 0.0
         self._values: queue.Queue[tuple[bytes, bytes, object] | None] = queue.Queue(
@@ -176,25 +181,39 @@ class RedisRemote:
                 self.counters.up = False
                 return None
             self._client = client
-            self._failures = 0
+            self._ok()
             self.counters.connects += 1
             if not self.counters.up:
                 log.info("remote tier: connected to the Redis Cluster")
             self.counters.up = True
             return client
 
+    def _ok(self) -> None:
+        """A command succeeded: the cluster answers; a run of failures ends."""
+        self._failures = 0
+        self._failing.clear()
+
     def _failed(self, exc: BaseException, *, whole: bool = False) -> None:
-        """One command failed (``whole``: a probe could not reach the cluster: it is down at
-        once)."""
+        """One command failed (``whole``: a probe that asked every master could not reach the
+        cluster: it is down at once)."""
         kind = error_kind(exc)
         self.counters.errors[kind] += 1
         self._failures += 1
+        client = self._client
+        if whole and client is not None:
+            self._failing.update(n.name for n in client.get_primaries())
         self._down_if(whole and kind in DOWN_AT_ONCE)
+
+    def _every_master_failed(self) -> bool:
+        client = self._client
+        return client is None or all(n.name in self._failing for n in client.get_primaries())
 
     def _down_if(self, at_once: bool) -> None:
         """Drop the client (reconnect after ``retry_s``) after ``DOWN_AFTER`` failures in a
-        row, or at once."""
-        if self._failures >= DOWN_AFTER or at_once:
+        row, or at once, but only once every master failed since the last success: rounds
+        that asked only a dead (or slow) master while the others answer are its keys' misses,
+        not a cluster that is down."""
+        if (self._failures >= DOWN_AFTER or at_once) and self._every_master_failed():
             with self._client_lock:
                 client, self._client = self._client, None
                 self._next_try = time.monotonic() + self.settings.retry_s
@@ -205,21 +224,24 @@ class RedisRemote:
                 with contextlib.suppress(Exception):  # dropped because it is broken
                     client.close()
 
-    def _tally(self, results: list[Any], unreached: bool) -> None:
+    def _tally(self, results: list[Any], failed_nodes: set[str]) -> None:
         """Count a round's failed commands by kind, each once. A round in which some command
         succeeded is no failure of the cluster (a dead or slow master fails its own keys
         only: misses) and ends a run of failures; one in which every command failed counts
-        towards ``DOWN_AFTER``, command by command, and one that reached no master at all
-        (``unreached``) by a connection failure takes the tier down at once."""
+        towards ``DOWN_AFTER``, command by command, and notes the masters that failed it
+        (``failed_nodes``). The tier goes down only once every master failed in the run (a
+        round may ask one master only: all its keys on the dead one, while the others
+        answer), at once if by a connection failure, else after ``DOWN_AFTER``."""
         failed = [r for r in results if isinstance(r, BaseException)]
         kinds = [error_kind(exc) for exc in failed]
         for kind in kinds:
             self.counters.errors[kind] += 1
         if len(failed) < len(results):
-            self._failures = 0
+            self._ok()
             return
         self._failures += len(failed)
-        self._down_if(unreached and any(k in DOWN_AT_ONCE for k in kinds))
+        self._failing |= failed_nodes
+        self._down_if(bool(failed_nodes) and any(k in DOWN_AT_ONCE for k in kinds))
 
     def _idle(self) -> None:
         """Nothing to do for ``retry_s``: reconnect if down, else probe (so that ``up`` says
@@ -235,7 +257,7 @@ class RedisRemote:
             except Exception as exc:
                 failure = exc
             else:
-                self._failures = 0
+                self._ok()
                 return
         if failure is not None:
             self._failed(failure, whole=True)
@@ -266,14 +288,14 @@ class RedisRemote:
         """Run ``commands`` (``(name, key, *args)``) in one pipeline per master that owns
         their keys' slots, so that a master that is down or slow fails its own keys only
         (one cluster pipeline fails as a whole). Each command's reply, or the exception that
-        failed it, counted (``_tally``): the cluster is down only if no master was reached.
+        failed it, counted (``_tally``): the cluster is down only once no master is reached.
         A stale slot map (a slot no master serves in it, or a MOVED/ASK reply: a cluster that
         was still forming when the client connected, a failover) is reloaded in the round that
         finds out, and those commands run once more on the fresh map."""
         out: list[Any] = [None] * len(commands)
         todo: list[int] = list(range(len(commands)))
         failure: BaseException | None = None
-        reached = False
+        failed_nodes: set[str] = set()
         for again in (False, True):
             groups: dict[str, tuple[Any, list[int]]] = {}
             stale = self._group(client, commands, todo, groups, out)
@@ -287,10 +309,11 @@ class RedisRemote:
                     replies = pipe.execute(raise_on_error=False)
                 except Exception as exc:
                     failure = exc
+                    failed_nodes.add(node.name)
                     for i in idx:
                         out[i] = exc
                     continue
-                reached = True
+                failed_nodes.discard(node.name)  # answered on the fresh map
                 for i, r in zip(idx, replies, strict=True):
                     out[i] = r
                     if isinstance(r, rx.AskError):  # MOVED or ASK: the map is stale
@@ -300,7 +323,7 @@ class RedisRemote:
             todo = stale
         if failure is not None:
             self._refresh(client)
-        self._tally(out, unreached=failure is not None and not reached)
+        self._tally(out, failed_nodes)
         return out
 
     @staticmethod

@@ -1,5 +1,6 @@
 """``RedisRemote``'s rounds against a real 3-master Redis Cluster (no daemon): a dead master
-fails its own keys and never takes the tier down, however many of one round's keys it holds;
+fails its own keys and never takes the tier down, however many of one round's keys it holds,
+or however many rounds ask it alone;
 a slot map that lacks slots (what a client that connected while the cluster formed holds) is
 reloaded in the round that finds out, and that round's values are still written; so is one
 that sends keys to the wrong master (MOVED); a round no master answers counts each of its
@@ -78,6 +79,36 @@ def test_a_round_with_many_keys_on_a_dead_master_keeps_the_tier_up(cluster: Redi
         # ... as unanswered, not as "no such key": the keys are not taken for gone.
         assert {keys[i] for i in unread} == on_victim
         assert all(v == b"v:" + k for k, v in zip(keys, values, strict=True) if v is not None)
+        assert remote.up and remote.counters.connects == 1  # never dropped and rebuilt
+    finally:
+        remote.close()
+
+
+def test_rounds_that_ask_only_a_dead_master_keep_the_tier_up(cluster: RedisCluster) -> None:
+    """Fetches whose keys all live on the dead master (a prompt's blocks on its slots) reach
+    no master, round after round, while the other masters answer: its keys are unanswered
+    (misses), the tier stays up and the live masters' keys are still read. (A daemon's read
+    of a prompt whose master was killed used to take its whole tier down: the round reached
+    no master, so it counted as the cluster down, at once.)"""
+    remote, written, got = _remote(cluster)
+    try:
+        keys = [f"blockd:alone:{i}".encode() for i in range(N)]
+        _publish(remote, written, got, keys)
+        assert set(written) == set(keys)
+        client = remote._client
+        assert client is not None
+        slots = _slots_of(cluster, cluster.ports[0])
+        on_victim = [k for k in keys if client.keyslot(k) in slots]
+        elsewhere = [k for k in keys if k not in on_victim]
+        assert on_victim and elsewhere
+        cluster.kill(cluster.ports[0])
+        for _ in range(DOWN_AFTER + 1):  # more rounds than a run of failures may have
+            values, unread = remote._read(on_victim)
+            assert values == [None] * len(on_victim)
+            assert unread == frozenset(range(len(on_victim)))  # unanswered, not "gone"
+            assert remote.up, remote.counters.errors
+        values, unread = remote._read(elsewhere)
+        assert values == [b"v:" + k for k in elsewhere] and unread == frozenset()
         assert remote.up and remote.counters.connects == 1  # never dropped and rebuilt
     finally:
         remote.close()

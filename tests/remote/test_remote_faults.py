@@ -9,7 +9,6 @@ module; each test uses prompts of its own and leaves the cluster whole.
 
 from __future__ import annotations
 
-import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,9 @@ from cli_support import clean_env, run_refused, write_config
 from daemon_proc import Daemon, Worker, admit, start, wait_metric
 from redis_support import RedisCluster, needs_redis
 from test_remote_daemons import node, remote_cfg
-from test_shared_pool import run_worker as forked_or_fresh_worker
+from test_shared_pool import run_worker
 
 pytestmark = needs_redis
-
-#: Every worker a new interpreter (see test_shared_pool.run_worker: two tests here rely on
-#: the time one takes to start).
-run_worker = functools.partial(forked_or_fresh_worker, fresh=True)
 
 
 def prompt(i: int) -> list[int]:
