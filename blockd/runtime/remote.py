@@ -148,6 +148,9 @@ class _Fetch:
     start: int
     expected: list[Expected]
     first: bytes
+    #: ``RemoteTier._writes`` when the fetch was asked: a key announced written after that
+    #: may have been written after the fetch read it, so its "no such key" says nothing.
+    since: int
     #: Filled on the fetcher thread: the checked bytes of blocks start.., and the keys the
     #: cluster answered it does not hold, or held a bad value for (deleted).
     good: list[memoryview] = field(default_factory=list)
@@ -191,9 +194,12 @@ class RemoteTier:
         self._roots: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
         self._root_memo: OrderedDict[bytes, bytes] = OrderedDict()
         self._chains: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
-        #: Remote key -> the removal to announce when it is found gone (None: not announced
-        #: by this daemon, e.g. fetched, or not written yet).
-        self._present: OrderedDict[bytes, BlockRemoved | None] = OrderedDict()
+        #: Remote key -> the removal to announce when it is found gone, and the number of
+        #: writes announced when it was (None: not announced by this daemon, e.g. fetched, or
+        #: not written yet).
+        self._present: OrderedDict[bytes, tuple[BlockRemoved, int] | None] = OrderedDict()
+        #: Writes the cluster accepted and this daemon announced, so far.
+        self._writes = 0
         self._missed: dict[bytes, float] = {}
         self._in_flight: dict[bytes, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -272,7 +278,8 @@ class RemoteTier:
         if missed is not None and now - missed < self.retry_s:
             return 0
         job = _Fetch(partition, tenant_id, scope, tokens, start,
-                     expectations(self.keys, root, chain, tokens, self.block_size, start), first)
+                     expectations(self.keys, root, chain, tokens, self.block_size, start), first,
+                     self._writes)
         keys = [redis_key(e.key) for e in job.expected]
         if not self.client.fetch(FetchJob(keys, lambda raw, unread: self._fetched(job, raw, unread),
                                           tenant=tenant_id)):
@@ -320,19 +327,27 @@ class RemoteTier:
         stats.adopted_blocks += joined
         for e in job.expected[:joined]:
             _bounded_put(self._present, e.key, self._present.get(e.key), MAX_PRESENT)
-        if joined < len(job.expected):
+        if joined < len(job.expected) and not self._written_since(job, job.expected[joined].key):
             self._missed[job.expected[joined].key] = time.monotonic()
         for key in job.gone:
-            self._gone(key)
+            if not self._written_since(job, key):
+                self._gone(key)
+
+    def _written_since(self, job: _Fetch, key: bytes) -> bool:
+        """Whether this daemon's write of ``key`` was accepted after ``job`` was asked: the
+        fetch may have read the cluster before the write, so its miss is stale (neither a
+        removal nor a reason not to fetch the key again)."""
+        entry = self._present.get(key)
+        return entry is not None and entry[1] > job.since
 
     def _gone(self, key: bytes) -> None:
         """The cluster no longer holds ``key`` (flushed, evicted, expired, or its value was
         bad): published again when it is committed again, and if this daemon announced it
         on ``REMOTE``, its removal is announced (the cluster itself says nothing of what it
         drops: a removal is only ever seen by a fetch)."""
-        removed = self._present.pop(key, None)
-        if removed is not None and self._announce is not None:
-            self._announce(removed)
+        entry = self._present.pop(key, None)
+        if entry is not None and self._announce is not None:
+            self._announce(entry[0])
 
     def _join(self, job: _Fetch) -> int:
         """The fetched blocks join the tenant's lower tier, journalled like a Step."""
@@ -363,9 +378,14 @@ class RemoteTier:
         for tag in tags:
             if isinstance(tag, _Published):
                 ev = tag.stored
+                self._writes += 1
                 _bounded_put(self._present, tag.key,
-                             BlockRemoved(ev.block, ev.key, ev.namespace_label,
-                                          ev.sharing_domain, REMOTE), MAX_PRESENT)
+                             (BlockRemoved(ev.block, ev.key, ev.namespace_label,
+                                           ev.sharing_domain, REMOTE), self._writes),
+                             MAX_PRESENT)
+                # The cluster holds it now: a miss noted before says nothing any more (an
+                # admit of it right after must fetch it, and see it if it is gone again).
+                self._missed.pop(tag.key, None)
                 self._announce(ev)
 
     # -- publishing -----------------------------------------------------------------------------

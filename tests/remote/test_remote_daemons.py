@@ -10,22 +10,15 @@ blocks). The pools have 8 blocks of 4 tokens; a 14-token prompt has 3 full block
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemon_proc import Daemon, start, wait_metric
 from redis_support import RedisCluster, needs_redis
-from test_shared_pool import run_worker as forked_or_fresh_worker
-from test_shared_pool import write_each as forked_or_fresh_writes
+from test_shared_pool import run_worker, write_each
 
 pytestmark = needs_redis
-
-#: Every worker a new interpreter (see test_shared_pool.run_worker: two tests here rely on
-#: the time one takes to start).
-run_worker = functools.partial(forked_or_fresh_worker, fresh=True)
-write_each = functools.partial(forked_or_fresh_writes, fresh=True)
 
 SLOT = 4 * 2 * 2 * 2 * 8 * 2  # one block of daemon_proc's layout, every shard
 P = list(range(300, 314))
