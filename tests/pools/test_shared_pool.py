@@ -61,12 +61,10 @@ class _ForkServer:
 def run_worker(d, mode: str, who: str, tenant: str, tokens: list[int], *,  # type: ignore[no-untyped-def]
                fresh: bool = False, **kw):
     """``python kvworker.py MODE ARGS_JSON`` (forked from ``kvworker.py serve``; ``fresh``: a
-    new interpreter, which imports torch first): its result.
-
-    tests/remote runs its workers ``fresh``: two of its tests pass only because of the seconds
-    a new interpreter takes to start (with forked workers, node B's remote tier is still down
-    from a dead master's failed fetches when test_a_killed_master... checks it is up, and
-    test_an_announced_entry... sometimes sees no removal announced within its 10 s)."""
+    new interpreter, which imports torch first): its result. A test must pass either way:
+    tests/remote once passed only with ``fresh`` workers, whose seconds of start-up hid two
+    daemon bugs (a dead master's keys taking the remote tier down; a fetch's stale miss
+    suppressing the next fetch)."""
     args = {"target": f"unix:{d.endpoints['unix']}", "token": TOKENS[who], "tenant": tenant,
             "layout": LAYOUT_ARGS, "tokens": tokens, **kw}
     if fresh:
