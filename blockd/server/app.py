@@ -68,17 +68,17 @@ async def every(interval_ms: float, fn: Callable[[], object], what: str) -> None
             log.exception("periodic task failed", extra=logs.fields(task=what))
 
 
-async def poll_fences(interval_ms: float, daemon: Daemon, max_ms: float | None = None) -> None:
+async def poll_fences(interval_ms: float, max_ms: float, daemon: Daemon) -> None:
     """Read the sessions' fence pages while a fence is announced and not completed: every
-    ``interval_ms`` after a completion, then backing off (doubling, up to ``max_ms``) while none
-    completes, as a step's copies run for a while and a worker publishes once per step: a
-    fixed 2 ms cost the daemon 50 ms of CPU per second of a running engine, most of it waking
-    up. With none pending, sleep until a Step announces one (``Daemon.on_fence``), so an idle
-    daemon does not wake at all. A Step runs on this loop, between two awaits, so none can
-    announce a fence between the last poll and the wait."""
+    ``interval_ms`` after a completion, then backing off (doubling, up to ``max_ms``, which
+    the config keeps >= ``interval_ms``) while none completes, as a step's copies run for a
+    while and a worker publishes once per step: a fixed short interval wakes the daemon
+    hundreds of times a second for nothing while an engine runs. With none pending, sleep
+    until a Step announces one (``Daemon.on_fence``), so an idle daemon does not wake at
+    all. A Step runs on this loop, between two awaits, so none can announce a fence between
+    the last poll and the wait."""
     wake = asyncio.Event()
     daemon.on_fence = wake.set
-    longest = max(interval_ms, max_ms or interval_ms)
     delay = interval_ms
     while True:
         await asyncio.sleep(delay / 1000)
@@ -95,7 +95,7 @@ async def poll_fences(interval_ms: float, daemon: Daemon, max_ms: float | None =
         elif daemon.sessions.fences_completed != before:
             delay = interval_ms
         else:
-            delay = min(delay * 2, longest)
+            delay = min(delay * 2, max_ms)
 
 
 def check_invariants(daemon: Daemon, metrics: Metrics) -> None:
@@ -312,8 +312,8 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
 
         tasks += [asyncio.create_task(every(cfg.lease.reap_interval_ms, daemon.reap,
                                             "reaping expired sessions")),
-                  asyncio.create_task(poll_fences(cfg.pool.fence_poll_ms, daemon,
-                                                    cfg.pool.fence_poll_max_ms))]
+                  asyncio.create_task(poll_fences(cfg.pool.fence_poll_ms,
+                                                    cfg.pool.fence_poll_max_ms, daemon))]
         if sc.invariant_check_interval_ms > 0:
             tasks.append(asyncio.create_task(every(sc.invariant_check_interval_ms,
                                                    lambda: check_invariants(daemon, metrics),

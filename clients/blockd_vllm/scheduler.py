@@ -220,13 +220,10 @@ class SchedulerSide(LinkEvents):
         plan.loads = [(vllm_blocks[first + i], plan.table[first + i]) for i in range(count)]
         self.counters["load_blocks"] += count
 
+    @hook
     def build_meta(self, so: Any) -> BlockdMetadata:
         """This step's metadata (vLLM keeps stepping while it keeps a finished request's
         blocks, so a held request's append answered late is saved by a later empty step)."""
-        return self._build_meta(so)
-
-    @hook
-    def _build_meta(self, so: Any) -> BlockdMetadata:
         self.counters["schedules"] += 1
         meta = BlockdMetadata()
         if so.total_num_scheduled_tokens:
