@@ -58,30 +58,22 @@ class _ForkServer:
         proc.wait(30)
 
 
-def run_worker(d, mode: str, who: str, tenant: str, tokens: list[int], *,  # type: ignore[no-untyped-def]
-               fresh: bool = False, **kw):
-    """``python kvworker.py MODE ARGS_JSON`` (forked from ``kvworker.py serve``; ``fresh``: a
-    new interpreter, which imports torch first): its result. A test must pass either way:
-    tests/remote once passed only with ``fresh`` workers, whose seconds of start-up hid two
-    daemon bugs (a dead master's keys taking the remote tier down; a fetch's stale miss
-    suppressing the next fetch)."""
+def run_worker(d, mode: str, who: str, tenant: str, tokens: list[int], **kw):  # type: ignore[no-untyped-def]
+    """``python kvworker.py MODE ARGS_JSON``, forked from ``kvworker.py serve``: its result.
+    A worker starts in milliseconds this way: tests/remote once passed only because a new
+    interpreter took seconds, which hid two daemon bugs (a dead master's keys taking the
+    remote tier down; a fetch's stale miss suppressing the next fetch)."""
     args = {"target": f"unix:{d.endpoints['unix']}", "token": TOKENS[who], "tenant": tenant,
             "layout": LAYOUT_ARGS, "tokens": tokens, **kw}
-    if fresh:
-        done = subprocess.run([sys.executable, WORKER, mode, json.dumps(args)],
-                              capture_output=True, text=True, timeout=120)
-        out = {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
-    else:
-        out = _ForkServer.run(mode, args, timeout=120)
+    out = _ForkServer.run(mode, args, timeout=120)
     assert out["returncode"] == 0, out["stderr"]
     return json.loads(out["stdout"].strip().splitlines()[-1])
 
 
-def write_each(d, who: str, tenant: str, prompts: list[list[int]], *,  # type: ignore[no-untyped-def]
-               fresh: bool = False) -> list[dict]:
+def write_each(d, who: str, tenant: str, prompts: list[list[int]]) -> list[dict]:  # type: ignore[no-untyped-def]
     """``run_worker(d, "write", who, tenant, p)`` for each prompt in turn, in one worker process
     (each prompt its own session, as separate workers): their results, in order."""
-    reports = run_worker(d, "write", who, tenant, [], prompts=prompts, fresh=fresh)
+    reports = run_worker(d, "write", who, tenant, [], prompts=prompts)
     assert isinstance(reports, list) and len(reports) == len(prompts)
     return reports
 
