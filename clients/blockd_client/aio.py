@@ -33,8 +33,9 @@ class AsyncClient(Connection):
 
     async def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1,
                      worker_name: str = "", lease_ms: int = 0, map_pool: bool = True,
-                     max_seqs: int = 1024, max_blocks: int = 1024, device: Any = "cpu"
-                     ) -> AsyncSession:
+                     max_seqs: int = 1024, max_blocks: int = 1024, device: Any = "cpu",
+                     tables: bool = True) -> AsyncSession:
+        """``Client.attach`` (``tables``: see there), without ``stream``."""
         req = pb.AttachRequest(worker_name=worker_name, tenant_id=tenant_id,
                                layout=layout_proto(layout, tp_size), lease_ms=lease_ms)
         resp = await self.call(self.stub.Attach, req)
@@ -44,7 +45,8 @@ class AsyncClient(Connection):
 
             pool = await asyncio.to_thread(open_pool, resp.pool.handle_socket_path,
                                            resp.session_id, resp.fetch_secret)
-        return AsyncSession(self, SessionState(resp, pool, max_seqs, max_blocks, device))
+        return AsyncSession(self, SessionState(resp, pool, max_seqs, max_blocks, device,
+                                               tables))
 
     async def stats(self) -> pb.StatsResponse:
         return await self.call(self.stub.Stats, pb.StatsRequest())

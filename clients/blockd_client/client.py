@@ -79,13 +79,20 @@ class Client(Connection):
 
     def attach(self, tenant_id: str, layout: Any, *, tp_size: int = 1, worker_name: str = "",
                lease_ms: int = 0, map_pool: bool = True, max_seqs: int = 1024,
-               max_blocks: int = 1024, device: Any = "cpu", stream: bool = False) -> Session:
+               max_blocks: int = 1024, device: Any = "cpu", stream: bool = False,
+               tables: bool = True) -> Session:
         """Open a session. ``layout`` is the ``blockd_gpu.KvLayout`` the kernels expect; any
         difference from the pool fails with FAILED_PRECONDITION naming the field. With
-        ``stream`` its Steps go over one long-lived, self-reconnecting StepStream."""
+        ``stream`` its Steps go over one long-lived, self-reconnecting StepStream.
+
+        ``tables`` False: keep no local block tables (``max_seqs`` rows of ``max_blocks``), for
+        a caller that reads block ids from the results (a scheduler that launches no kernel,
+        e.g. ``blockd_vllm``'s). Their upkeep writes a tensor per operation, and each write
+        lets go of the GIL: a Step called off a thread that keeps the GIL busy (vLLM's engine
+        core) waits for it again after every one (up to the switch interval, 5 ms)."""
         req = pb.AttachRequest(worker_name=worker_name, tenant_id=tenant_id,
                                layout=layout_proto(layout, tp_size), lease_ms=lease_ms)
-        return Session(self, req, map_pool, max_seqs, max_blocks, device, stream)
+        return Session(self, req, map_pool, max_seqs, max_blocks, device, stream, tables)
 
     def stats(self) -> pb.StatsResponse:
         return self.call(self.stub.Stats, pb.StatsRequest())
@@ -104,11 +111,12 @@ class Session(SessionViews):
     """One attached worker: steps, fences, the mapped pool and the local block tables."""
 
     def __init__(self, client: Client, req: pb.AttachRequest, map_pool: bool, max_seqs: int,
-                 max_blocks: int, device: Any, stream: bool = False) -> None:
+                 max_blocks: int, device: Any, stream: bool = False, tables: bool = True
+                 ) -> None:
         self.client = client
         self._attach_req = req
         self._map_pool = map_pool
-        self._sizes = (max_seqs, max_blocks, device)
+        self._sizes = (max_seqs, max_blocks, device, tables)
         self.state = self._attach(req)
         self.streamer = StepStreamer(client) if stream else None
         #: The last Step, when its call ended without an answer (``settle``).

@@ -65,12 +65,13 @@ class SessionViews:
                                   "to this session's own workers, never log it.")
     pool: Any = _of_state("pool", "The mapped pool (``PoolView`` or ``CudaPoolView``); None "
                           "with ``map_pool=False``.")
-    tables: Any = _of_state("tables", "The local block tables (``BlockTables``).")
+    tables: Any = _of_state("tables", "The local block tables (``BlockTables``); None with "
+                            "``tables=False``.")
 
 
 class SessionState:
     def __init__(self, attach: pb.AttachResponse, pool: Any | None, max_seqs: int,
-                 max_blocks: int, device: Any) -> None:
+                 max_blocks: int, device: Any, tables: bool = True) -> None:
         self.attach = attach
         self.session_id = attach.session_id
         self.epoch = attach.epoch
@@ -78,7 +79,9 @@ class SessionState:
         self.block_size = attach.pool.layout.block_size
         self.pool = pool
         self.counter = StepCounter()
-        self.tables = BlockTables(max_seqs, max_blocks, self.block_size, device)
+        #: None with ``tables=False`` (``Client.attach``).
+        self.tables: BlockTables | None = (
+            BlockTables(max_seqs, max_blocks, self.block_size, device) if tables else None)
 
     def request(self, ops: list[pb.Operation]) -> pb.StepRequest:
         self.completed_fence()
@@ -96,7 +99,15 @@ class SessionState:
               fence: int | None = None) -> StepOutcome:
         """Bring the local tables and pool up to date with a Step's results (``fence``: the
         Step's, when it is not the last one made: a late answer)."""
-        tables = self.tables
+        if self.tables is not None:
+            self._update_tables(self.tables, ops, resp)
+        if resp.copies and self.pool is not None:
+            self.copy_blocks([(c.src_block, c.dst_block) for c in resp.copies])
+        return StepOutcome(resp, self.counter.fence if fence is None else fence)
+
+    @staticmethod
+    def _update_tables(tables: BlockTables, ops: list[pb.Operation],
+                       resp: pb.StepResponse) -> None:
         for op, res in zip(ops, resp.results, strict=True):
             if res.status.code:
                 continue
@@ -134,9 +145,6 @@ class SessionState:
         for p in resp.preempted:
             if tables.has(p.sequence_id):
                 tables.remove(p.sequence_id)
-        if resp.copies and self.pool is not None:
-            self.copy_blocks([(c.src_block, c.dst_block) for c in resp.copies])
-        return StepOutcome(resp, self.counter.fence if fence is None else fence)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Run the copy-on-write copies in every shard (all layers, K and V, one launch)."""

@@ -139,7 +139,7 @@ class Link:
         try:
             session = until_answered(self.settings, lambda: self.client.attach(
                 self.settings.tenant, kv_layout(self.shape), tp_size=self.shape.tp_size,
-                map_pool=False,
+                map_pool=False, tables=False,
                 worker_name=self.settings.worker_name, lease_ms=self.settings.lease_ms))
         except BlockdError as err:
             self.client.close()  # the engine is ending: leave no channel behind

@@ -35,7 +35,8 @@ def preflight(settings: Settings, shape: KvShape) -> None:
         try:
             probe = until_answered(settings, lambda: client.attach(
                 settings.tenant, kv_layout(shape), tp_size=shape.tp_size, map_pool=False,
-                worker_name=settings.worker_name + PROBE_SUFFIX, lease_ms=settings.lease_ms))
+                tables=False, worker_name=settings.worker_name + PROBE_SUFFIX,
+                lease_ms=settings.lease_ms))
         except BlockdError as err:
             raise RuntimeError(start_error(settings, shape, err)) from None
         with contextlib.suppress(BlockdError):  # else its lease ends it

@@ -166,6 +166,9 @@ def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Pat
     sched = _connector(model_dir, extra, "SCHEDULER")
     counters = sched.scheduler.counters
     try:
+        # No local block tables (blockd_client's Client.attach(tables=False)): their upkeep
+        # would let go of the GIL once per operation in the outbox thread's every answer.
+        assert sched.scheduler.link.session.tables is None
         rs = [request(f"r{i}", [i + 1] * 40 + list(range(1, 61))) for i in range(4)]
         sched.get_kv_connector_stats()  # start a fresh interval
         steps = counters["blockd_steps"]
