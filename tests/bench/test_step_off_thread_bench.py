@@ -29,6 +29,6 @@ def test_step_off_thread_bench(tmp_path: Path) -> None:
             q = rep[cell]
             assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= q["max"]
         assert set(rep["ratio_tables_over_none_busy"]) == {"p50", "p99"}
-    assert CELLS <= set(got["summary"])
+    assert set(got["summary"]) >= CELLS
     assert out.with_suffix(".png").stat().st_size > 0
     assert "Step of 4 admits off a thread" in run.stdout
