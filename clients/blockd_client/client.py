@@ -116,7 +116,8 @@ class Session(SessionViews):
         self.client = client
         self._attach_req = req
         self._map_pool = map_pool
-        self._sizes = (max_seqs, max_blocks, device, tables)
+        #: ``SessionState``'s arguments after the pool, kept for a re-attach.
+        self._state_args = (max_seqs, max_blocks, device, tables)
         self.state = self._attach(req)
         self.streamer = StepStreamer(client) if stream else None
         #: The last Step, when its call ended without an answer (``settle``).
@@ -130,7 +131,7 @@ class Session(SessionViews):
 
             pool = open_pool(resp.pool.handle_socket_path, resp.session_id, resp.fetch_secret,
                              resp.tenant_id)
-        return SessionState(resp, pool, *self._sizes)
+        return SessionState(resp, pool, *self._state_args)
 
     def step(self, ops: Sequence[pb.Operation]) -> StepOutcome:
         """Apply one scheduler iteration. Copy-on-write copies are done on return; run the
