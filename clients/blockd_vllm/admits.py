@@ -10,6 +10,12 @@ flight). Lifecycle of one request id: queued -> in flight -> answered -> taken b
 or "no hit"), or answered "pending" (blockd fetches its prefix from the remote tier: the caller
 promises vLLM an async load and asks ``again`` until it is not). A request that ends before its
 answer is taken never leaks its sequence: the answer, when it comes, is released.
+
+An answer that comes late never splits vLLM's batches: once the engine runs other requests, a
+request whose admit is asked again ``admit_wait_s`` after its first ask and still unanswered
+gives up waiting (``ask``'s ``wait_s``): it is answered "no hit" and computed with the others,
+and its admit's answer, when it comes, is *adopted* (the scheduler side saves the prompt from
+vLLM's blocks: the work is the same, only a hit it may have had is computed).
 """
 
 from __future__ import annotations
@@ -49,13 +55,16 @@ Answer = Plan | Pending | int
 
 class Admits:
     def __init__(self, settings: Settings, namespace: EngineNamespace, B: int,
-                 counters: Counter[str], release: Callable[[Plan], None]) -> None:
+                 counters: Counter[str], release: Callable[[Plan], None],
+                 adopt: Callable[[str, Plan], None]) -> None:
         self.settings = settings
         self.namespace = namespace
         self.B = B
         self.counters = counters
         #: Called with an admitted plan nobody will take (its request ended).
         self.release = release
+        #: Called with the plan of a request that gave up waiting for it (``gave_up``).
+        self.adopt = adopt
         self.queued: dict[str, Any] = {}
         self.in_flight: dict[str, Any] = {}
         self.answers: dict[str, Answer] = {}
@@ -65,18 +74,33 @@ class Admits:
         self._waiting: dict[str, float] = {}
         #: Requests whose admit was lost once to a re-attached session (``resend``).
         self._resent: set[str] = set()
+        #: When each request's admit was first asked (``ask``'s ``wait_s``).
+        self._asked: dict[str, float] = {}
+        #: Requests computed without the cache while their admit was in flight: the answer,
+        #: when it comes, is adopted (a plan) or let go.
+        self.gave_up: set[str] = set()
 
-    def ask(self, request: Any) -> Plan | int | None:
-        """The answer for ``request`` (a plan, or NO_HIT), or None: not answered yet."""
+    def ask(self, request: Any, wait_s: float | None = None) -> Plan | int | None:
+        """The answer for ``request`` (a plan, or NO_HIT), or None: not answered yet.
+        ``wait_s``: an admit in flight for that long since its first ask is given up (NO_HIT;
+        None: wait for the answer)."""
         rid = request.request_id
+        if rid in self.gave_up:
+            return NO_HIT
         answer = self.answers.pop(rid, None)
         if isinstance(answer, (Plan, int)):
             return answer
         if isinstance(answer, Pending):
             self.answers[rid] = answer  # the caller decides: ``promise`` or ``again``
             return None
+        now = time.monotonic()
         if rid not in self.in_flight:
             self.queued[rid] = request  # new: it goes with this schedule()'s Step
+            self._asked.setdefault(rid, now)
+        elif wait_s is not None and now - self._asked.get(rid, now) >= wait_s:
+            self.gave_up.add(rid)
+            self.counters["admit_wait_expired"] += 1
+            return NO_HIT
         return None
 
     def pending(self, rid: str) -> Pending | None:
@@ -129,7 +153,8 @@ class Admits:
         given_up = []
         for rid in rids:
             request = self.in_flight.get(rid)
-            if request is None or rid in self.cancelled or rid in self._resent:
+            if (request is None or rid in self.cancelled or rid in self._resent
+                    or rid in self.gave_up):
                 given_up.append(rid)
                 continue
             self._resent.add(rid)
@@ -149,10 +174,14 @@ class Admits:
         for i, rid in enumerate(rids):
             request = self.in_flight[rid]
             res = results[i] if results is not None else None
-            if res is not None and res.status.code == NO_ROOM:
+            late = rid in self.gave_up  # computed already: a hit-only plan or a fetch is moot
+            if res is not None and res.status.code == NO_ROOM and not late:
                 self.counters["admit_no_room"] += 1
                 no_room.append(request)
             elif res is not None and not res.status.code and res.admit.pending_remote_blocks:
+                if late:
+                    self.settle(rid, NO_HIT)  # nothing was admitted
+                    continue
                 self.counters["remote_pending"] += 1
                 pending.append((request, int(res.admit.pending_remote_blocks)))
             else:
@@ -162,13 +191,20 @@ class Admits:
     def settle(self, rid: str, answer: Answer) -> None:
         """The final answer of an admit in flight."""
         self.in_flight.pop(rid, None)
+        self._asked.pop(rid, None)
         if not isinstance(answer, Pending):
             self._waiting.pop(rid, None)
             self._resent.discard(rid)
+        late = rid in self.gave_up
+        self.gave_up.discard(rid)
         if rid in self.cancelled:
             self.cancelled.discard(rid)
             if isinstance(answer, Plan):
                 self.release(answer)
+            return
+        if late:
+            if isinstance(answer, Plan):
+                self.adopt(rid, answer)
             return
         self.answers[rid] = answer
 
@@ -207,7 +243,10 @@ class Admits:
         self.queued.pop(rid, None)
         self._waiting.pop(rid, None)
         self._resent.discard(rid)
-        if rid in self.in_flight:
+        if rid not in self.in_flight:
+            self._asked.pop(rid, None)
+            self.gave_up.discard(rid)
+        else:
             self.cancelled.add(rid)
         answer = self.answers.pop(rid, None)
         if isinstance(answer, Plan):

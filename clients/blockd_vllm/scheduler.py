@@ -103,7 +103,7 @@ class SchedulerSide(LinkEvents):
         #: Guards everything above; never held while blockd is called (``blockd_vllm.outbox``).
         self._lock = threading.RLock()
         self.admits = Admits(settings, self.namespace, self.B, self.counters,
-                             self._release_unused)
+                             self._release_unused, self._adopt)
         self.remote = RemoteLoads(self.B, self.counters)
         self.link = Link(settings, shape, self.counters)
         #: The Steps, off the scheduler thread; ``steps.announced``: the fence of the last one
@@ -113,6 +113,8 @@ class SchedulerSide(LinkEvents):
         #: When the last Step was queued (``_bookkeeping_due``); ``schedules`` at the last tick.
         self._last_step = 0.0
         self._ticked = 0
+        #: The last step ran a batch (a new request's admit may then stop waiting).
+        self._ran = False
         self.link.start(self)
 
     @property
@@ -188,7 +190,8 @@ class SchedulerSide(LinkEvents):
             if self.degraded and rid not in self.admits.in_flight:
                 self.admits.finished(rid)  # a pending answer of it is let go
                 return 0, False
-            answer = self.admits.ask(request)
+            answer = self.admits.ask(
+                request, self.settings.admit_wait_s if self._ran else None)
             if answer is None:
                 pending = self.admits.pending(rid)
                 if pending is not None:
@@ -202,6 +205,14 @@ class SchedulerSide(LinkEvents):
             plan = self.plans[rid] = answer
         plan.local_tokens = num_computed
         return max(0, plan.hit_tokens - num_computed), False
+
+    def _adopt(self, rid: str, plan: Plan) -> None:
+        """The answer of an admit its request stopped waiting for (``admit_wait_s``): vLLM
+        computes the whole prompt, so the plan loads nothing (its hit is computed too) and
+        saves the rest, from vLLM's blocks, from the next step that runs the request."""
+        plan.hit_tokens = 0
+        self.plans[rid] = plan
+        self.counters["late_plans"] += 1
 
     def _release_unused(self, plan: Plan) -> None:
         """An admitted plan no request took (it ended first, or blockd went away)."""
@@ -225,6 +236,7 @@ class SchedulerSide(LinkEvents):
         """This step's metadata (vLLM keeps stepping while it keeps a finished request's
         blocks, so a held request's append answered late is saved by a later empty step)."""
         self.counters["schedules"] += 1
+        self._ran = bool(so.total_num_scheduled_tokens)
         meta = BlockdMetadata()
         if so.total_num_scheduled_tokens:
             self.copies.number(meta)

@@ -16,7 +16,7 @@ from typing import Any
 KNOWN_KEYS = frozenset({
     "target", "tenant", "token_file", "model_revision", "connect_timeout_s", "rpc_timeout_s",
     "retry_interval_s", "lease_ms", "worker_name", "remote_wait_s", "save_generated",
-    "commit_interval_s",
+    "commit_interval_s", "admit_wait_s",
 })
 
 
@@ -55,6 +55,13 @@ class Settings:
     #: nothing). Fewer round trips on the engine's threads and in the daemon; a saved prefix
     #: becomes hittable at most this much later. 0: a Step from every step that has any.
     commit_interval_s: float = 0.05
+    #: While the engine runs other requests, how long a new request waits for blockd's answer
+    #: to its admit (seconds from its first ask; it waits whole steps: vLLM asks once per
+    #: ``schedule()``). Then it is computed with the others, without the cache, and its
+    #: prompt is still saved once the answer comes. A slow answer costs that request its hit,
+    #: never a split batch. 0: at most one step. An idle engine waits for the answer (up to
+    #: ``rpc_timeout_s``): nothing else is held back.
+    admit_wait_s: float = 0.02
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> Settings:
@@ -98,7 +105,8 @@ class Settings:
                    worker_name=str(extra.get("worker_name", "vllm")),
                    save_generated=save_generated,
                    commit_interval_s=_positive(extra, "commit_interval_s", 0.05,
-                                               allow_zero=True))
+                                               allow_zero=True),
+                   admit_wait_s=_positive(extra, "admit_wait_s", 0.02, allow_zero=True))
 
 
 def _check_target(target: str) -> None:

@@ -26,7 +26,8 @@ KEYS = ("loaded_blocks", "saved_blocks", "load_failures", "save_failures", "map_
 #: What went wrong on the scheduler side (each request it concerns was computed, or asked again).
 FAULT_KEYS = ("degraded_episodes", "epoch_changes", "admits_resent", "admit_refused",
               "late_answers")
-SCHEDULER_KEYS = ("schedules", "blockd_steps", "scheduler_ns", "async_loads", *FAULT_KEYS)
+SCHEDULER_KEYS = ("schedules", "blockd_steps", "scheduler_ns", "async_loads",
+                  "admit_wait_expired", *FAULT_KEYS)
 DOCS = {
     "loaded_blocks": "Blocks the workers loaded from blockd.",
     "saved_blocks": "Blocks the workers saved to blockd.",
@@ -38,6 +39,9 @@ DOCS = {
     "scheduler_ns": "Time vLLM's scheduler thread spent in the connector's hooks.",
     "async_loads": "Requests answered (n, True): loaded asynchronously from blockd's remote "
                    "tier while they waited in WAITING_FOR_REMOTE_KVS.",
+    "admit_wait_expired": "New requests computed without the cache because blockd's answer to "
+                          "their admit took longer than admit_wait_s while the engine ran "
+                          "others (their prompts were saved once it came).",
     "degraded_episodes": "Times blockd stopped answering (requests computed until it answered).",
     "epoch_changes": "Times the session re-attached: blockd restarted (a new pool epoch) or "
                      "had reaped the session (its lease ran out while the engine stalled).",
