@@ -97,11 +97,13 @@ def connector_config(daemon: daemon_proc.Daemon, tenant: str, who: str,
     """The exact enabling shape of the README, for one tenant's credential. Calls wait up to
     10 s for blockd (``rpc_timeout_s``, 2 s by default): on a loaded 2-core CI machine running
     several engines a call can take longer than 2 s, and the connector then degrades (computes
-    without the cache) as designed, which is not what a test of hits is about. The tests of
-    degrading set their own."""
+    without the cache) as designed, which is not what a test of hits is about. For the same
+    reason a new request waits for its admit's answer up to 10 s while the engine runs others
+    (``admit_wait_s``, 0.02 s by default: past it the request computes without its hit). The
+    tests of degrading and of ``admit_wait_s`` set their own."""
     cfg = {"target": f"unix:{daemon.endpoints['unix']}", "tenant": tenant,
            "token_file": str(daemon.workdir / f"{who}.token"), "connect_timeout_s": 20.0,
-           "rpc_timeout_s": 10.0}
+           "rpc_timeout_s": 10.0, "admit_wait_s": 10.0}
     cfg.update(extra)
     return {"kv_connector": "BlockdConnector", "kv_connector_module_path": "blockd_vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": cfg}
