@@ -131,6 +131,12 @@ class Daemon(Reads):
         self.draining = False
         self.started = time.time()
 
+    def start_draining(self) -> None:
+        """The drain begins: new sessions are refused, and every event stream ends now (its
+        follower, waiting for an event, is woken to see it) instead of at the grace's end."""
+        self.draining = True
+        self.events.wake()
+
     def _state_store(self) -> StateStore | None:
         if not self.cfg.state.dir:
             return None

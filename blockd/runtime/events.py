@@ -196,6 +196,10 @@ class EventLog:
         self._changed.clear()
         await self._changed.wait()
 
+    def wake(self) -> None:
+        """Wake every follower waiting for an event, so that it checks its ``until`` now."""
+        self._changed.set()
+
     async def follow(self, since: int, audience: Audience, *, until: Callable[[], bool]
                      ) -> AsyncIterator[Event]:
         """Every event ``audience`` may see from sequence number ``since`` (0: from now on), as

@@ -330,7 +330,7 @@ async def serve(cfg: Config, ready: asyncio.Event | None = None) -> None:
         # everything else is released in reverse order.
         log.info("draining", extra=logs.fields(grace_seconds=sc.grace_seconds,
                                                sessions=len(daemon.sessions)))
-        daemon.draining = True
+        daemon.start_draining()
         await health_servicer.enter_graceful_shutdown()
         deadline = loop.time() + sc.grace_seconds
         while daemon.sessions and loop.time() < deadline:

@@ -63,7 +63,9 @@ def test_sigterm_drains_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-de
 def test_a_drain_that_times_out_ends_open_streams_with_unavailable_and_no_traceback(
         tmp_path) -> None:  # type: ignore[no-untyped-def]
     # #28 finding 10: the grace ended with a StepStream open, and grpc logged the server's
-    # cancellation of it as an error followed by three raw traceback lines.
+    # cancellation of it as an error followed by three raw traceback lines. An event stream
+    # open when the drain begins ends then, with OK (it was left waiting for an event until
+    # the grace ended, then ended UNAVAILABLE, when it was open before the signal came).
     d = start(tmp_path / "streams", extra={"server": {"grace_seconds": 0.5}})
     stub = d.stub("unix")
     w = Worker(stub, "alice", "acme")
@@ -73,9 +75,17 @@ def test_a_drain_that_times_out_ends_open_streams_with_unavailable_and_no_traceb
                                 operations=[admit([1, 2, 3])]))
     assert next(stream).results[0].status.code == 0
     events = stub.WatchEvents(pb.WatchEventsRequest(), metadata=md("admin"))
+    # The event stream is open (it delivered an event) before the drain begins.
+    w2 = Worker(stub, "alice", "acme")
+    w2.step(commit(w2.admit(list(range(100, 108))).sequence_id))
+    w2.step(completed=w2.fence)  # the commit's fence done: its blocks are stored
+    assert next(events).WhichOneof("event") == "block_stored"
     try:
         d.signal(signal.SIGTERM)
-        assert list(events) == [] and events.code() == grpc.StatusCode.OK  # ends at the drain
+        # The rest of its events, then OK: ended at the drain (at the grace's end it would be
+        # UNAVAILABLE, raised here).
+        assert all(e.WhichOneof("event") == "block_stored" for e in events)
+        assert events.code() == grpc.StatusCode.OK
         with pytest.raises(grpc.RpcError) as info:
             for _ in stream:
                 pass
