@@ -66,6 +66,7 @@ from vllm_measured import (  # noqa: E402
     start,
     stop,
     summary,
+    worker_cpus,
 )
 from vllm_overhead import OVERHEAD, overhead_summary, repetitions  # noqa: E402
 from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_multiturn.py
@@ -83,7 +84,6 @@ from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_m
     retired,
     start_blockd,
     stats_env,
-    worker_cpus,
 )
 
 import blockd_apps.vllm_engine as vllm_engine  # noqa: E402

