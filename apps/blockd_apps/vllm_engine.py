@@ -151,7 +151,12 @@ class Engine:
             env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING",
                  **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if one_process else {}),
                  **(env or {})},
-            start_new_session=True)
+            # A process group of its own (``kill`` ends vLLM's processes with it), in the
+            # caller's session: with the kernel's autogroup scheduling (on by default), each
+            # session is one scheduling group, and an engine session whose workers spin on
+            # their pinned cores was seen to leave a blockd of another session no CPU for
+            # 10-30 s on 2 cores (docs/vllm.md, "On CPU").
+            process_group=0)
         self._deadline = time.monotonic() + START_TIMEOUT_S
         threading.Thread(target=self._pump, daemon=True).start()
         if wait:

@@ -111,7 +111,7 @@ class Served:
         self.log_path = root / "server.log"
         self.server = subprocess.Popen(["bash", "-ec", command], cwd=self.work, env=self.env,
                                        stdout=self.log_path.open("w"),
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+                                       stderr=subprocess.STDOUT, process_group=0)
         self.url = f"http://127.0.0.1:{self.port}"
         # The doc's command with ``"tenant": "acme"``, started now: its half-minute of imports
         # overlaps the server's (one after the other they were a sixth of this directory's
@@ -123,7 +123,7 @@ class Served:
         self.refused = subprocess.Popen(["bash", "-ec", refused + " " + " ".join(
             ["--port", str(free_port()), *SERVE_FLAGS])], cwd=self.work, env=self.env,
             stdout=self.refused_log.open("w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+            process_group=0)
 
     def with_model(self, block: str) -> str:
         return re.sub(r"(?m)^MODEL=\S+$", f"MODEL={self.model}", block)
