@@ -9,7 +9,9 @@ link's lock (``Link.call``: failures become states, never exceptions), and then 
 result with ``then`` under the side's lock, before the next call starts: results are applied
 in order, and no other call of the session (the heartbeat thread's) comes in between a call and
 its result. Lock order: the link's lock, then the side's; the scheduler thread takes only the
-side's, so it waits at most for a ``then`` (a few dictionary updates), never for blockd.
+side's, so it waits at most for a ``then`` (a few dictionary updates), never for blockd; the one
+exception is an engine with nothing else to run, which may wait a bounded time for an answer
+(``applied``, a condition over the side's lock: it is notified after every ``then``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class Outbox:
                  ) -> None:
         self._link_lock = link_lock
         self._side_lock = side_lock
+        #: Notified (the side's lock held) after each ``then``; ``answers`` counts them.
+        self.applied = threading.Condition(side_lock)
+        self.answers = 0
         self._jobs: deque[tuple[Callable[[], Any], Callable[[Any], None]]] = deque()
         self._cv = threading.Condition()
         #: Jobs put and not yet applied (queued or running).
@@ -73,6 +78,8 @@ class Outbox:
                         then(result)
                     except Exception:
                         log.exception("blockd_vllm: applying blockd's answer failed")
+                    self.answers += 1
+                    self.applied.notify_all()
             with self._cv:
                 self._open -= 1
                 self._cv.notify_all()

@@ -8,12 +8,13 @@ and applies its answer under this side's lock; the hooks only read and write pla
 1. ``get_num_new_matched_tokens``: the first ask queues the prompt's admit and answers None
    (vLLM skips the request this step and asks again next step); the admits of one
    ``schedule()`` go out in one Step after it (``blockd_vllm.admits``). The next ask returns the
-   answer (None again while the Step is in flight): blockd's verified cached prefix
-   (``num_cached_tokens``, full blocks only, never the last prompt token), *whose blocks it
-   holds references to*, so nothing can evict them between this answer and the load; the rest
-   of the prompt gets fresh blocks to save into. The external hit is what blockd holds beyond
-   vLLM's own local hit. With a remote tier on the daemon, the admit may be answered "pending"
-   (blockd is fetching the prefix from the cluster): the answer is ``(n, True)``, vLLM's
+   answer (None again while the Step is in flight; an engine with nothing else to run waits up
+   to ``IDLE_WAIT_S`` for it first, so it does not spin through empty steps): blockd's verified
+   cached prefix (``num_cached_tokens``, full blocks only, never the last prompt token), *whose
+   blocks it holds references to*, so nothing can evict them between this answer and the load;
+   the rest of the prompt gets fresh blocks to save into. The external hit is what blockd holds
+   beyond vLLM's own local hit. With a remote tier on the daemon, the admit may be answered
+   "pending" (blockd is fetching the prefix from the cluster): the answer is ``(n, True)``, vLLM's
    async-load path (``blockd_vllm.remote_loads``): the request waits in
    ``WAITING_FOR_REMOTE_KVS`` while the admit is asked again each step (at most
    ``remote_wait_s``), the step after its answer loads what arrived and reports the request
@@ -41,7 +42,8 @@ is *degraded* (every request computes everything; logged once, counted), and it 
 every ``retry_interval_s``; a new epoch drops every plan of the old one (their blocks are gone)
 and carries on with the re-attached session. The scheduler thread's cost is counted:
 ``schedules``, ``blockd_steps`` (Steps sent) and ``scheduler_ns`` (time spent in this side's
-hooks, lock waits included), reported in vLLM's connector stats (``blockd_vllm.stats``).
+hooks, lock waits included, an idle engine's waits for an answer apart: ``idle_wait_ns``),
+reported in vLLM's connector stats (``blockd_vllm.stats``).
 """
 
 from __future__ import annotations
@@ -69,15 +71,21 @@ from blockd_vllm.stats import BlockdConnectorStats, SchedulerFigures
 
 log = logging.getLogger("blockd_vllm")
 
+#: The longest an idle engine's ask waits for an admit's answer before vLLM steps again.
+IDLE_WAIT_S = 0.05
+
+
 def hook(method: Any) -> Any:
-    """A hook vLLM's scheduler thread calls: run under the side's lock, its time counted."""
+    """A hook vLLM's scheduler thread calls: run under the side's lock, its time counted (an
+    idle engine's wait for an answer apart: ``idle_wait_ns``)."""
     def run(self: SchedulerSide, *args: Any) -> Any:
-        t0 = time.perf_counter_ns()
+        t0, waited = time.perf_counter_ns(), self.counters["idle_wait_ns"]
         try:
             with self._lock:
                 return method(self, *args)
         finally:
-            self.counters["scheduler_ns"] += time.perf_counter_ns() - t0
+            self.counters["scheduler_ns"] += (time.perf_counter_ns() - t0
+                                              - (self.counters["idle_wait_ns"] - waited))
     run.__doc__ = method.__doc__
     return run
 
@@ -192,6 +200,8 @@ class SchedulerSide(LinkEvents):
                 return 0, False
             answer = self.admits.ask(
                 request, self.settings.admit_wait_s if self._ran else None)
+            if answer is None and not self._ran and rid in self.admits.in_flight:
+                answer = self._await_answer(request)
             if answer is None:
                 pending = self.admits.pending(rid)
                 if pending is not None:
@@ -205,6 +215,23 @@ class SchedulerSide(LinkEvents):
             plan = self.plans[rid] = answer
         plan.local_tokens = num_computed
         return max(0, plan.hit_tokens - num_computed), False
+
+    def _await_answer(self, request: Any) -> Plan | int | None:
+        """An engine whose last step ran nothing waits for the answer of a new request's admit
+        in flight (``_idle_wait``), so the request can run in this very step."""
+        rid = request.request_id
+        self._idle_wait(lambda: rid not in self.admits.in_flight)
+        return self.admits.ask(request)
+
+    def _idle_wait(self, done: Any) -> None:
+        """Wait (``IDLE_WAIT_S`` at most, the side's lock released) until ``done()`` or blockd
+        stops answering. Only when the engine has nothing to run: vLLM would otherwise step
+        again at once, through the engine core and every worker, as fast as they go (an
+        empty step still runs the connector's hooks), taking the CPU the daemon needs to
+        answer what the engine waits for."""
+        t0 = time.perf_counter_ns()
+        self.steps.outbox.applied.wait_for(lambda: done() or self.degraded, IDLE_WAIT_S)
+        self.counters["idle_wait_ns"] += time.perf_counter_ns() - t0
 
     def _adopt(self, rid: str, plan: Plan) -> None:
         """The answer of an admit its request stopped waiting for (``admit_wait_s``): vLLM
@@ -237,6 +264,11 @@ class SchedulerSide(LinkEvents):
         blocks, so a held request's append answered late is saved by a later empty step)."""
         self.counters["schedules"] += 1
         self._ran = bool(so.total_num_scheduled_tokens)
+        if not self._ran and self.steps.outbox.busy:
+            # Nothing runs until blockd answers (an admit, the append of a finished request's
+            # last block, a remote fetch): wait for an answer rather than spin.
+            answers = self.steps.outbox.answers
+            self._idle_wait(lambda: self.steps.outbox.answers != answers)
         meta = BlockdMetadata()
         if so.total_num_scheduled_tokens:
             self.copies.number(meta)

@@ -59,8 +59,9 @@ class Settings:
     #: to its admit (seconds from its first ask; it waits whole steps: vLLM asks once per
     #: ``schedule()``). Then it is computed with the others, without the cache, and its
     #: prompt is still saved once the answer comes. A slow answer costs that request its hit,
-    #: never a split batch. 0: at most one step. An idle engine waits for the answer (up to
-    #: ``rpc_timeout_s``): nothing else is held back.
+    #: never a split batch. 0: at most one step. An idle engine keeps waiting for the answer
+    #: (nothing else is held back), each ask blocking up to 0.05 s for it rather than spinning
+    #: through empty steps (``blockd_vllm.scheduler.IDLE_WAIT_S``).
     admit_wait_s: float = 0.02
 
     @classmethod

@@ -6,9 +6,10 @@ calls, blockd Steps sent for them, nanoseconds the scheduler thread spent in the
 hooks, lock waits included). vLLM aggregates both into one object per interval; ``reduce`` (what
 vLLM's "KV Transfer metrics" log line prints) adds the ratios a benchmark reads: Steps per
 schedule and the connector's microseconds per schedule. Every figure is also a Prometheus
-counter of vLLM's (``BlockdPromMetrics``: ``vllm:blockd_<key>_total``, the scheduler's time in
-microseconds as ``vllm:blockd_scheduler_us_total``: ``LLM.get_metrics()`` reads counters as
-integers), which ``LLM.get_metrics()`` and ``/metrics`` show.
+counter of vLLM's (``BlockdPromMetrics``: ``vllm:blockd_<key>_total``, the times in
+microseconds as ``vllm:blockd_scheduler_us_total`` and ``vllm:blockd_idle_wait_us_total``:
+``LLM.get_metrics()`` reads counters as integers), which ``LLM.get_metrics()`` and
+``/metrics`` show.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ KEYS = ("loaded_blocks", "saved_blocks", "load_failures", "save_failures", "map_
 #: What went wrong on the scheduler side (each request it concerns was computed, or asked again).
 FAULT_KEYS = ("degraded_episodes", "epoch_changes", "admits_resent", "admit_refused",
               "late_answers")
-SCHEDULER_KEYS = ("schedules", "blockd_steps", "scheduler_ns", "async_loads",
+SCHEDULER_KEYS = ("schedules", "blockd_steps", "scheduler_ns", "idle_wait_ns", "async_loads",
                   "admit_wait_expired", *FAULT_KEYS)
 DOCS = {
     "loaded_blocks": "Blocks the workers loaded from blockd.",
@@ -36,7 +37,10 @@ DOCS = {
     "map_failures": "Times a worker could not map blockd's pool.",
     "schedules": "schedule() calls (build_connector_meta).",
     "blockd_steps": "blockd Steps the scheduler side sent (off the scheduler thread).",
-    "scheduler_ns": "Time vLLM's scheduler thread spent in the connector's hooks.",
+    "scheduler_ns": "Time vLLM's scheduler thread spent in the connector's hooks (idle waits "
+                    "apart).",
+    "idle_wait_ns": "Time an engine with nothing else to run waited in the connector's hooks "
+                    "for blockd's answer to an admit (instead of stepping again at once).",
     "async_loads": "Requests answered (n, True): loaded asynchronously from blockd's remote "
                    "tier while they waited in WAITING_FOR_REMOTE_KVS.",
     "admit_wait_expired": "New requests computed without the cache because blockd's answer to "
@@ -113,7 +117,7 @@ class BlockdPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters: dict[str, dict[int, Any]] = {}
         for key in (*KEYS, *SCHEDULER_KEYS):
-            name = "scheduler_us" if key == "scheduler_ns" else key
+            name = key[:-3] + "_us" if key.endswith("_ns") else key
             counter = self._counter_cls(name=f"vllm:blockd_{name}", documentation=DOCS[key],
                                         labelnames=labelnames)
             self.counters[key] = {i: counter.labels(*values)
@@ -123,4 +127,4 @@ class BlockdPromMetrics(KVConnectorPromMetrics):
         for key, per_engine in self.counters.items():
             value = transfer_stats_data.get(key)
             if value:
-                per_engine[engine_idx].inc(value / 1e3 if key == "scheduler_ns" else value)
+                per_engine[engine_idx].inc(value / 1e3 if key.endswith("_ns") else value)

@@ -7,10 +7,13 @@ from blockd; outputs are greedy and compared token for token with an engine with
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from blockd_vllm.scheduler import IDLE_WAIT_S
 from vllm_support import (
     Engine,
     Prestarted,
@@ -170,3 +173,29 @@ def test_chunked_prefill_preemption_and_vllms_own_cache(daemon, engine_a: Engine
     again = undegraded(engine_a, lambda: engine_a.generate(prompts, max_tokens=24))
     assert again["tokens"] == want
     assert again["num_cached"] == hits(prompts), connector_figures(again, engine_a)
+
+
+def test_an_idle_engine_waits_for_blockd_without_spinning(daemon, engine_a: Engine) -> None:
+    """A new request arrives at an engine with nothing else to run, and blockd, frozen
+    (SIGSTOP) for ``FROZEN_S``, answers its admit only then: the engine waits for the answer
+    in slices of ``IDLE_WAIT_S`` instead of stepping as fast as it goes (every empty step runs
+    the engine core, the worker and the connector's hooks, the CPU a daemon on the same cores
+    needs to answer). Before the idle wait, such an engine ran thousands of ``schedule()`` a
+    second while blockd was slow (17,001 in the round of a TP test on a loaded CI machine)."""
+    frozen_s = 1.0
+    warm, prompt = shared_prefix_workload(seed=61, n=2)
+    before = engine_a.generate([warm], max_tokens=1)["metrics"]  # the worker maps the pool
+    daemon.signal(signal.SIGSTOP)
+    thaw = threading.Timer(frozen_s, daemon.signal, (signal.SIGCONT,))
+    thaw.start()
+    try:
+        out = engine_a.generate([prompt], max_tokens=4)
+    finally:
+        thaw.join()
+        daemon.signal(signal.SIGCONT)
+    moved = {k.removeprefix("vllm:blockd_"): v - before.get(k, 0.0)
+             for k, v in out["metrics"].items() if k.startswith("vllm:blockd_")}
+    # At most one schedule() per slice while frozen, and the request's few steps after.
+    assert moved["schedules"] <= frozen_s / IDLE_WAIT_S + 20, moved
+    assert moved["idle_wait_us"] >= 0.5 * frozen_s * 1e6, moved
+    assert moved.get("degraded_episodes", 0) == 0, moved
