@@ -12,6 +12,7 @@ reading the other rank's heads would not. The last rank to exit detaches the ses
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def test_two_ranks_save_and_load_their_shards_with_the_tokens_of_computing(
     work = shared_prefix_workload(seed=23)
     with Engine(model_dir, connector_config(daemon, "acme", "alice"), env=ENV,
                 tensor_parallel_size=TP, one_process=False) as e:
+        in_our_session(e, daemon)
         # Each prompt computed alone: a salt of its own shares nothing with any other request.
         computed = [e.generate([p], cache_salt=f"alone-{i}")["tokens"][0]
                     for i, p in enumerate(work)]
@@ -62,3 +64,20 @@ def test_two_ranks_save_and_load_their_shards_with_the_tokens_of_computing(
         retired(daemon)
     # A clean exit: the last rank to retire detached the one session.
     assert stats(daemon).num_sessions == 0
+
+
+def in_our_session(engine: Engine, daemon) -> None:  # type: ignore[no-untyped-def]
+    """Every process of the engine (its own, vLLM's engine core, one worker per rank) is in
+    the engine's process group (what ``kill`` ends) and in this test's session, as the daemon
+    is. The kernel's autogroup shares the CPU between sessions first: with the engine in a
+    session of its own, its two workers spinning on their pinned cores left the daemon no CPU
+    for 10-30 s at a time, and this test's rounds degraded on CI."""
+    group = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getpgid(int(entry)) == engine.proc.pid:
+                group.append(int(entry))
+        except OSError:
+            continue  # a process that just ended
+    assert len(group) >= 2 + TP, group  # the engine, its engine core, a worker per rank
+    assert {os.getsid(pid) for pid in group} == {os.getsid(0)} == {os.getsid(daemon.proc.pid)}
