@@ -155,7 +155,7 @@ class Engine:
             # caller's session: with the kernel's autogroup scheduling (on by default), each
             # session is one scheduling group, and an engine session whose workers spin on
             # their pinned cores was seen to leave a blockd of another session no CPU for
-            # 10-30 s on 2 cores (docs/vllm.md, the quick start's note on one session).
+            # seconds on 2 cores (docs/vllm.md, the quick start's note on one session).
             process_group=0)
         self._deadline = time.monotonic() + START_TIMEOUT_S
         threading.Thread(target=self._pump, daemon=True).start()

@@ -7,7 +7,8 @@ before it (``blockd_vllm.plan``: saved in the first step after the append's answ
 the request, when vLLM's blocks hold their K/V), and of requests that ended with such blocks
 unsaved (``held``: from the vLLM blocks vLLM kept for them, then let go through ``sent``).
 A step with saves is numbered; the workers report numbered steps back (``SaveReport``), and a
-plan commits only once none of its steps is unreported.
+plan commits only once none of its steps is unreported. The appends of generated tokens
+(``Growth``) are planned here and their answers applied here (``grown``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from blockd.api.v1 import blockd_pb2 as pb
 from blockd_vllm.metadata import BlockdMetadata
 from blockd_vllm.plan import Plan
 
@@ -84,6 +86,29 @@ class Copies:
             grow.append(Growth(rid, plan, tokens))
             changed = True
         return changed
+
+    def grown(self, grow: list[Growth], result: Any) -> set[str]:
+        """The answer of the Step that appended ``grow`` (``result``: its append_batch
+        operation's, None when the Step did not apply): each plan grows by the blocks blockd
+        gave, saved by the next step that runs the request; an append blockd refused ends that
+        request's growth. The requests concerned (their plans may now resolve)."""
+        ok = result is not None and not result.status.code
+        res = result.append_batch if ok else pb.AppendBatchResult()
+        errors = {e.index for e in res.errors}
+        deltas = {d.index: d.delta for d in res.deltas}
+        for i, g in enumerate(grow):
+            plan = g.plan
+            plan.appending = 0
+            if not ok or i in errors or plan.abandoned:
+                self.counters["generated_refused"] += 1
+                plan.request = None  # its sequence holds what it held; nothing more grows
+                continue
+            d = deltas.get(i)
+            plan.grew(len(g.tokens), d.start_index if d is not None else None,
+                      list(d.block_ids) if d is not None else [], self.B)
+            if plan.finished and not plan.held:
+                plan.growth_lost = True  # vLLM freed the blocks holding their K/V
+        return {g.rid for g in grow}
 
     def save(self, meta: BlockdMetadata, rid: str, plan: Plan, blocks: list[int],
              vblocks: list[int]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,13 @@ class Outbox:
             self._jobs.append((call, then))
             self._open += 1
             self._cv.notify()
+
+    def wait_applied(self, done: Callable[[], bool], timeout: float) -> int:
+        """Wait, holding the side's lock (released meanwhile), until ``done()`` after some
+        ``then``, or ``timeout``; the nanoseconds waited."""
+        t0 = time.perf_counter_ns()
+        self.applied.wait_for(done, timeout)
+        return time.perf_counter_ns() - t0
 
     @property
     def busy(self) -> bool:

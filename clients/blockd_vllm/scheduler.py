@@ -224,14 +224,13 @@ class SchedulerSide(LinkEvents):
         return self.admits.ask(request)
 
     def _idle_wait(self, done: Any) -> None:
-        """Wait (``IDLE_WAIT_S`` at most, the side's lock released) until ``done()`` or blockd
-        stops answering. Only when the engine has nothing to run: vLLM would otherwise step
-        again at once, through the engine core and every worker, as fast as they go (an
-        empty step still runs the connector's hooks), taking the CPU the daemon needs to
-        answer what the engine waits for."""
-        t0 = time.perf_counter_ns()
-        self.steps.outbox.applied.wait_for(lambda: done() or self.degraded, IDLE_WAIT_S)
-        self.counters["idle_wait_ns"] += time.perf_counter_ns() - t0
+        """Wait (``IDLE_WAIT_S`` at most) until ``done()`` or blockd stops answering. Only when
+        the engine has nothing to run: vLLM would otherwise step again at once, through the
+        engine core and every worker, as fast as they go (an empty step still runs the
+        connector's hooks), taking the CPU the daemon needs to answer what the engine waits
+        for."""
+        self.counters["idle_wait_ns"] += self.steps.outbox.wait_applied(
+            lambda: done() or self.degraded, IDLE_WAIT_S)
 
     def _adopt(self, rid: str, plan: Plan) -> None:
         """The answer of an admit its request stopped waiting for (``admit_wait_s``): vLLM
@@ -358,7 +357,7 @@ class SchedulerSide(LinkEvents):
                 self.to_release.extend(releases)  # not applied: again once blockd answers
             results = outcome.results if outcome is not None else None
             if grow:
-                self._grown(grow, results[0] if results is not None else None)
+                self.dirty |= self.copies.grown(grow, results[0] if results is not None else None)
             if rids:
                 asked = self.admits.resend(rids) if outcome is None and new_epoch else rids
                 tail = results[len(results) - num_admits:] if results is not None else None
@@ -398,28 +397,6 @@ class SchedulerSide(LinkEvents):
             self.admits.settle(request.request_id, Pending(promised))
 
         self.steps.outbox.put(lambda: self.link.call(self.session.lookup, ns, tokens), then)
-
-    def _grown(self, grow: list[Growth], result: Any) -> None:
-        """The appends of generated tokens answered: their blocks are saved by the next step
-        that runs the request. An append blockd refused (or a Step that did not apply) ends
-        that request's growth."""
-        ok = result is not None and not result.status.code
-        res = result.append_batch if ok else pb.AppendBatchResult()
-        errors = {e.index for e in res.errors}
-        deltas = {d.index: d.delta for d in res.deltas}
-        for i, g in enumerate(grow):
-            plan = g.plan
-            plan.appending = 0
-            self.dirty.add(g.rid)
-            if not ok or i in errors or plan.abandoned:
-                self.counters["generated_refused"] += 1
-                plan.request = None  # its sequence holds what it held; nothing more grows
-                continue
-            d = deltas.get(i)
-            plan.grew(len(g.tokens), d.start_index if d is not None else None,
-                      list(d.block_ids) if d is not None else [], self.B)
-            if plan.finished and not plan.held:
-                plan.growth_lost = True  # vLLM freed the blocks holding their K/V
 
     def _resolve(self, plan: Plan, ops: list[pb.Operation]) -> bool:
         """Commit and/or release ``plan`` when it is done; True when it is."""

@@ -71,7 +71,7 @@ def in_our_session(engine: Engine, daemon) -> None:  # type: ignore[no-untyped-d
     the engine's process group (what ``kill`` ends) and in this test's session, as the daemon
     is. The kernel's autogroup shares the CPU between sessions first: with the engine in a
     session of its own, its two workers spinning on their pinned cores left the daemon no CPU
-    for 10-30 s at a time, and this test's rounds degraded on CI."""
+    for seconds at a time, and this test's rounds degraded on CI."""
     group = []
     for entry in os.listdir("/proc"):
         try:
