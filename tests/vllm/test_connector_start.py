@@ -3,8 +3,10 @@
 A refusal at start (the connector's: a pool of another layout; vLLM's own: a block size its CPU
 attention cannot run) ends the engine process by itself with an error naming the key, and
 leaves none of its processes behind (the connector's other refusals, from the same constructor,
-are checked without an engine in test_connector_faults.py); an engine that exits cleanly
-detaches its session (blockd logs ``reason=detach``, not ``lease expired``). The engines'
+are checked without an engine in test_connector_faults.py). An engine that exits cleanly
+detaches its session (blockd logs ``reason=detach``, not ``lease expired``): checked on the
+engines other tests start anyway, the tensor-parallel one (test_connector_tp.py, ``LLM``'s
+processes) and the OpenAI server (test_serve.py). The engines'
 start-up timeout (``START_TIMEOUT_S``, minutes) is only the hang guard: the tests wait for
 the process to end, they time nothing.
 """
@@ -12,7 +14,6 @@ the process to end, they time nothing.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +25,6 @@ from vllm_support import (
     Engine,
     connector_config,
     daemon_proc,
-    shared_prefix_workload,
-    start_daemon,
-    stats,
 )
 
 from blockd_apps.vllm_engine import START_TIMEOUT_S
@@ -73,21 +71,19 @@ def ended_by_itself(engine: Engine) -> str:
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """The tests' daemon (their layout, tenants acme and globex), one whose pool has 3 layers
-    (the model has 2), one with blocks of 16 (vLLM's CPU attention needs multiples of 32)."""
+    """A daemon whose pool has 3 layers (the model has 2), one with blocks of 16 (vLLM's CPU
+    attention needs multiples of 32); tenants acme and globex."""
     root = tmp_path_factory.mktemp("blockd-start")
-    good = start_daemon(root / "good", lease_ms=60_000)
     layers = daemon_proc.start(root / "layers", num_blocks=64, tenants=TENANTS,
                                extra={"pool": {**POOL, "num_layers": 3}})
     small = daemon_proc.start(root / "small", num_blocks=64, tenants=TENANTS,
                               extra={"pool": {**POOL, "block_size": 16}})
     for d in (layers, small):
         (d.workdir / "alice.token").write_text("tok-alice\n")
-    (good.workdir / "bad.token").write_text("tok-nobody\n")
     try:
-        yield {"good": good, "layers": layers, "small": small}
+        yield {"layers": layers, "small": small}
     finally:
-        for d in (good, layers, small):
+        for d in (layers, small):
             d.stop()
 
 
@@ -128,36 +124,3 @@ def test_block_size_vllm_cannot_run_ends_the_engine(refusals: dict) -> None:
     refusal, after the model load, ends the engine too."""
     log = ended_by_itself(refusals["block_size"])
     assert "No common block size for 16" in log
-
-
-def session_lines(d, worker: str) -> list[str]:  # type: ignore[no-untyped-def]
-    return [line for line in d.log_text().splitlines()
-            if "msg=\"session " in line and re.search(rf"\bworker={worker}\b", line)]
-
-
-def test_clean_exit_detaches_the_session(daemons, model_dir: Path) -> None:
-    """An engine that ends cleanly (its LLM's process exits) closes its session with a Detach:
-    the daemon (lease 60 s) logs ``reason=detach`` and holds no session at once."""
-    d = daemons["good"]
-    engine = Engine(model_dir, connector_config(d, "acme", "alice", worker_name="clean-exit"),
-                    env=ENV, one_process=False)
-    try:
-        prompts = shared_prefix_workload(seed=71, n=3)
-        engine.generate(prompts)
-        assert stats(d).num_sessions == 1
-    finally:
-        engine.stop()
-    assert engine.proc.returncode == 0, engine.log()[-3000:]
-    assert stats(d).num_sessions == 0  # detached before the process ended
-    closed: list[str] = []
-    for _ in range(100):  # the daemon's log reaches the test through a pipe
-        closed = [line for line in session_lines(d, "clean-exit") if "session closed" in line]
-        if closed:
-            break
-        time.sleep(0.1)
-    assert closed, d.log_text()[-3000:]
-    assert all("reason=detach" in line for line in closed), closed
-    # The start-up probe (the whole layout checked before the model load) detached too.
-    probe = session_lines(d, "clean-exit-preflight")
-    assert [("attached" in p, "reason=detach" in p) for p in probe] == [(True, False),
-                                                                      (False, True)], probe

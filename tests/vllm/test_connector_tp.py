@@ -7,7 +7,9 @@ with ``tp_size=2``, each rank saves and loads its own shard, a commit waits for 
 save report (vLLM aggregates them) and a fence for every rank's slot of the fence page. Shown
 with tokens: the second round is served from blockd and gives the tokens the engine computed
 for each prompt alone (under a salt of its own, which no other prompt shares), which a rank
-reading the other rank's heads would not. The last rank to exit detaches the session.
+reading the other rank's heads would not. The engine's clean exit (vLLM's three kinds of
+processes, as ``LLM`` runs them) detaches its session: the last rank to exit does it (issue 27,
+item 3; ``vllm serve``'s in test_serve.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from pathlib import Path
 import pytest
 from vllm_support import (
     Engine,
+    closed_by_detach,
     connector_config,
     connector_figures,
     hits,
     retired,
+    session_lines,
     shared_prefix_workload,
     start_daemon,
     stats,
@@ -37,7 +41,7 @@ ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    d = start_daemon(tmp_path_factory.mktemp("blockd_tp"), num_blocks=256,
+    d = start_daemon(tmp_path_factory.mktemp("blockd_tp"), num_blocks=256, lease_ms=60_000,
                      pool={"tp_size": TP, "num_kv_heads": 1})
     yield d
     d.stop()
@@ -46,8 +50,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 def test_two_ranks_save_and_load_their_shards_with_the_tokens_of_computing(
         daemon, model_dir: Path) -> None:
     work = shared_prefix_workload(seed=23)
-    with Engine(model_dir, connector_config(daemon, "acme", "alice"), env=ENV,
-                tensor_parallel_size=TP, one_process=False) as e:
+    with Engine(model_dir, connector_config(daemon, "acme", "alice", worker_name="tp"),
+                env=ENV, tensor_parallel_size=TP, one_process=False) as e:
         in_our_session(e, daemon)
         # Each prompt computed alone: a salt of its own shares nothing with any other request.
         computed = [e.generate([p], cache_salt=f"alone-{i}")["tokens"][0]
@@ -62,8 +66,18 @@ def test_two_ranks_save_and_load_their_shards_with_the_tokens_of_computing(
         assert again["metrics"].get("vllm:blockd_load_failures", 0) == 0
         assert again["metrics"].get("vllm:blockd_save_failures", 0) == 0
         retired(daemon)
-    # A clean exit: the last rank to retire detached the one session.
+    # A clean exit: the engine's process ended by itself, the last rank to retire detached
+    # the one session before (blockd's lease is a minute: nothing expired), and each rank's
+    # start-up probe (the layout checked before the model load) detached too.
+    assert e.proc.returncode == 0, e.log()[-3000:]
     assert stats(daemon).num_sessions == 0
+    closed = closed_by_detach(daemon, "tp")
+    assert len(closed) == 1 and "reason=detach" in closed[0], daemon.log_text()[-3000:]
+    probes = session_lines(daemon, "tp-preflight")
+    attached = [line for line in probes if "attached" in line]
+    assert len(attached) == TP, probes
+    assert [line for line in probes if "reason=detach" in line] == \
+        [line for line in probes if "session closed" in line] and len(probes) == 2 * TP, probes
 
 
 def in_our_session(engine: Engine, daemon) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -252,3 +253,21 @@ def with_tokenizer(model: Path) -> Path:
 def words(ids: list[int]) -> str:
     """The prompt text whose tokens are ``ids`` (``with_tokenizer``'s vocabulary)."""
     return " ".join(f"w{i}" for i in ids)
+
+
+def session_lines(d: daemon_proc.Daemon, worker: str) -> list[str]:
+    """blockd's log lines about the sessions of worker ``worker``."""
+    return [line for line in d.log_text().splitlines()
+            if "msg=\"session " in line and re.search(rf"\bworker={re.escape(worker)}(\s|$)", line)]
+
+
+def closed_by_detach(d: daemon_proc.Daemon, worker: str) -> list[str]:
+    """The "session closed" lines of ``worker``'s sessions once one is logged (blockd's log
+    reaches the test through a pipe; a few seconds at most), each to be ``reason=detach``."""
+    closed: list[str] = []
+    for _ in range(100):
+        closed = [line for line in session_lines(d, worker) if "session closed" in line]
+        if closed:
+            break
+        time.sleep(0.1)
+    return closed
