@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from vllm_support import (
     Engine,
-    closed_by_detach,
     connector_config,
     connector_figures,
     hits,
     retired,
+    session_closed_lines,
     session_lines,
     shared_prefix_workload,
     start_daemon,
@@ -71,13 +71,11 @@ def test_two_ranks_save_and_load_their_shards_with_the_tokens_of_computing(
     # start-up probe (the layout checked before the model load) detached too.
     assert e.proc.returncode == 0, e.log()[-3000:]
     assert stats(daemon).num_sessions == 0
-    closed = closed_by_detach(daemon, "tp")
+    closed = session_closed_lines(daemon, "tp")
     assert len(closed) == 1 and "reason=detach" in closed[0], daemon.log_text()[-3000:]
-    probes = session_lines(daemon, "tp-preflight")
-    attached = [line for line in probes if "attached" in line]
-    assert len(attached) == TP, probes
-    assert [line for line in probes if "reason=detach" in line] == \
-        [line for line in probes if "session closed" in line] and len(probes) == 2 * TP, probes
+    probes = session_lines(daemon, "tp-preflight")  # one attach and one close per rank
+    assert sorted(("attached" in p, "reason=detach" in p) for p in probes) == \
+        [(False, True)] * TP + [(True, False)] * TP, probes
 
 
 def in_our_session(engine: Engine, daemon) -> None:  # type: ignore[no-untyped-def]

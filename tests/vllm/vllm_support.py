@@ -261,9 +261,9 @@ def session_lines(d: daemon_proc.Daemon, worker: str) -> list[str]:
             if "msg=\"session " in line and re.search(rf"\bworker={re.escape(worker)}(\s|$)", line)]
 
 
-def closed_by_detach(d: daemon_proc.Daemon, worker: str) -> list[str]:
-    """The "session closed" lines of ``worker``'s sessions once one is logged (blockd's log
-    reaches the test through a pipe; a few seconds at most), each to be ``reason=detach``."""
+def session_closed_lines(d: daemon_proc.Daemon, worker: str) -> list[str]:
+    """The "session closed" lines of ``worker``'s sessions, once one is logged (blockd's log
+    reaches the test through a pipe: waited for up to 10 s); empty if none is."""
     closed: list[str] = []
     for _ in range(100):
         closed = [line for line in session_lines(d, worker) if "session closed" in line]
