@@ -138,9 +138,10 @@ class Engine:
         about a third of the time (measured here: 9 s and 9 CPU-s against 25 s and 26 CPU-s,
         most of it three imports of vLLM and torch) and computes the same tokens.
 
-        ``forker`` (a ``blockd_apps.engine_fork.Forker``, with ``one_process``): the engine is a
-        fork of a process that imported vLLM already instead of a fresh one (the tests: 3.6 s
-        to READY instead of 8.9 s on their tiny model)."""
+        ``forker`` (with ``one_process``): something whose ``launch(argv1, env)`` returns a
+        process running ``main`` as ``python -m`` would, Popen-like (the tests'
+        ``tests/vllm/engine_fork.py``: a fork of a process that imported vLLM already, READY
+        in 3 s instead of 11-13 s on their tiny model)."""
         spec = {"model": str(model), "kv_transfer_config": kv, "prefix_caching": prefix_caching,
                 **options}
         self.lines: deque[str] = deque(maxlen=400)

