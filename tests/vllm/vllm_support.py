@@ -22,6 +22,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "server"))
+sys.path.insert(0, str(HERE))  # engine_fork, also when imported as tests.vllm.vllm_support
 
 import daemon_proc  # noqa: E402
 from engine_fork import Forker  # noqa: E402
