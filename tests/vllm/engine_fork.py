@@ -72,14 +72,17 @@ class Forker:
     """The forking process and the caller's end of its socket (a ``SOCK_SEQPACKET`` pair: one
     message per launch, the child's pipes passed along with it)."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The forker's own output (its import warnings), kept until ``close``.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(theirs.fileno())],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, env=env, process_group=0)
+            stderr=subprocess.STDOUT, process_group=0,
+            # vLLM configures its logging when imported: here at the engines' default level
+            # (each child's ``LLM(...)`` configures it again from the child's environment).
+            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
         theirs.close()
         self._sock = mine
         self._lock = threading.Lock()
@@ -103,13 +106,12 @@ class Forker:
         try:
             socket.send_fds(self._sock, [msg.encode()], [child_in, child_out])
         except OSError as err:
-            for fd in (child_in, to_child, from_child, child_out):
-                os.close(fd)
+            os.close(to_child)
+            os.close(from_child)
             raise RuntimeError(f"the engine forker is gone ({err}): {self.output()}") from None
         finally:
-            with contextlib.suppress(OSError):
-                os.close(child_in)
-                os.close(child_out)
+            os.close(child_in)  # the forker holds its own copies now
+            os.close(child_out)
         with self._answer:
             if not self._answer.wait_for(lambda: number in self._started or self._gone,
                                          timeout):
@@ -219,7 +221,7 @@ def _reap(sock: socket.socket) -> None:
 def _become(req: dict[str, Any], stdin_fd: int, out_fd: int) -> None:
     """The child: its own process group, the caller's pipes, environment and directory (and
     what a fresh process makes of that environment at start: ``PYTHONPATH``'s entries on
-    ``sys.path``, vLLM's logging configured from its variables)."""
+    ``sys.path``)."""
     import random
 
     with contextlib.suppress(OSError):
@@ -236,9 +238,7 @@ def _become(req: dict[str, Any], stdin_fd: int, out_fd: int) -> None:
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
              if p and p not in sys.path]
     sys.path[1:1] = extra  # after the script's directory, as Python puts them
-    from vllm.logger import _configure_vllm_root_logger
-
-    _configure_vllm_root_logger()  # what importing vLLM did in the forker, from this env
+    # (vLLM's logging needs nothing here: ``LLM(...)`` configures it again from this env.)
     sys.argv = [sys.argv[0], req["argv1"]]
 
 

@@ -34,7 +34,8 @@ def test_a_forked_engine_computes_the_tokens_of_a_fresh_engine_process(model_dir
 
 
 def test_a_forked_engine_is_a_group_of_its_own_with_its_env_and_exit_status(
-        model_dir: Path) -> None:
+        model_dir: Path, alone: Engine) -> None:
+    assert " INFO " not in alone.log(), alone.log()[-2000:]
     # The do-nothing connector of bench/: importable only through the PYTHONPATH given here.
     noop = {"kv_connector": "NoopConnector", "kv_connector_module_path": "noop_connector",
             "kv_role": "kv_both"}
@@ -43,7 +44,8 @@ def test_a_forked_engine_is_a_group_of_its_own_with_its_env_and_exit_status(
         pid = e.proc.pid
         out = e.generate([[1, 2, 3] * 20], max_tokens=2)
         assert len(out["tokens"][0]) == 2
-        # vLLM logs at the level of the engine's environment (the forker's is WARNING).
+        # vLLM logs at the level of the engine's environment (the forker imported it at
+        # WARNING, the engines' default, at which the forked `alone` logs no INFO line).
         assert " INFO " in e.log(), e.log()[-2000:]
         # One process: vLLM's multiprocessing is off (VLLM_ENABLE_V1_MULTIPROCESSING=0 came
         # with the environment the engine was given), in a group of its own, in this session.
