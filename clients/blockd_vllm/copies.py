@@ -63,20 +63,22 @@ class Copies:
         ready to commit or release; a decode step that does none of these leaves it as it
         was, so the scheduler side does not look at it again."""
         changed = not plan.scheduled or bool(plan.loads)
-        for v, b in plan.loads:
-            meta.load_vllm.append(v)
-            meta.load_blockd.append(b)
-            meta.load_session.append(plan.session_id)
-        plan.loads = []
+        if plan.loads:
+            for v, b in plan.loads:
+                meta.load_vllm.append(v)
+                meta.load_blockd.append(b)
+                meta.load_session.append(plan.session_id)
+            plan.loads = []
         plan.scheduled = True
         if vblocks is None or plan.abandoned:
             return changed
         end = computed + n
-        blocks = plan.prompt_saves(end, self.B)
-        if blocks:
-            self.save(meta, rid, plan, list(blocks), vblocks())
-            changed = True
-        if plan.savable(computed, self.B):
+        if plan.saved < plan.num_prompt // self.B:  # else no prompt block is left to save
+            blocks = plan.prompt_saves(end, self.B)
+            if blocks:
+                self.save(meta, rid, plan, list(blocks), vblocks())
+                changed = True
+        if plan.to_save and plan.savable(computed, self.B):
             self.counters["generated_blocks"] += len(plan.to_save)
             self.save(meta, rid, plan, plan.to_save, vblocks())
             plan.to_save = []

@@ -84,6 +84,8 @@ class Plan:
         vLLM knows now (``all_token_ids``; a speculative or not yet sampled token is not
         there), only once the prompt's Commit went and no append is in flight or unsaved,
         never a partial block."""
+        if end // B * B <= self.num_tokens:
+            return []  # no block completed past the sequence (most decode steps)
         if (self.request is None or self.failed or self.appending or self.to_save
                 or self.committed < self.prompt_blocks(B)):
             return []

@@ -275,12 +275,13 @@ class SchedulerSide(LinkEvents):
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         grow: list[Growth] = []
+        plans, block_ids_of = self.plans, self.block_ids_of
+        saving = block_ids_of is not None and not self.degraded
         for rid, n in so.num_scheduled_tokens.items():
-            plan = self.plans.get(rid)
+            plan = plans.get(rid)
             if plan is None:
                 continue
-            saves = None if self.block_ids_of is None or self.degraded else \
-                (lambda rid=rid: self.block_ids_of(rid)[0])
+            saves = (lambda rid=rid: block_ids_of(rid)[0]) if saving else None
             if self.copies.plan(meta, rid, plan, computed.get(rid, 0), n, saves, grow):
                 self.dirty.add(rid)
         self.dirty.update(self.copies.settle_held(meta, self.plans, self.degraded, grow))
