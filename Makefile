@@ -72,6 +72,7 @@ bench: $(STAMP)
 	$(PY) bench/isolation.py
 	$(PY) bench/hardening_ab.py
 	VLLM_CPU_NUM_OF_RESERVED_CPU=1 $(PY) bench/vllm_connector.py
+	VLLM_CPU_NUM_OF_RESERVED_CPU=1 $(PY) bench/vllm_timeline.py
 	VLLM_CPU_NUM_OF_RESERVED_CPU=1 $(PY) bench/vllm_multiturn.py
 
 proto: $(STAMP)
