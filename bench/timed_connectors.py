@@ -13,7 +13,9 @@ Names: ``ask`` (``get_num_new_matched_tokens``), ``meta:<tokens>:<requests>``
 (``update_connector_output``), ``fin`` (``request_finished``) on the scheduler's side;
 ``load`` (``start_load_kv``, which vLLM calls after the forward when no load must precede it),
 ``save`` (``wait_for_save``: the forward is done), ``done`` (``get_finished``) on the worker's;
-each followed by its ``_end``. BlockdConnector's Steps to the daemon (on its outbox thread) are
+each followed by its ``_end`` (one worker: ``bench/vllm_timeline.py`` pairs an entry with the
+next exit of the same name, which two tensor-parallel workers' lines would interleave).
+BlockdConnector's Steps to the daemon (on its outbox thread) are
 ``step:<operations>`` / ``step_end``: this wraps ``blockd_vllm.outbox.Steps.call``, the one
 place every Step goes through, for the process's lifetime (a benchmark's engine, never a
 served one).
