@@ -3,9 +3,10 @@
 vLLM's scheduler asks ``get_num_new_matched_tokens`` once per waiting request per
 ``schedule()``, and an answer of None means "cannot tell yet": the request is skipped this step
 and asked again in the next one (``Scheduler.schedule``: ``skip_request``). So the first ask of a
-request only queues its admit and answers None; ``take`` hands every admit queued during one
-``schedule()`` to one Step (sent off the scheduler thread, ``blockd_vllm.outbox``); ``answered``
-files blockd's answers, and the next ask returns its request's (None again while the Step is in
+request only queues its admit (``queue``; its arrival may have, ``on_new_request``) and answers
+None; ``take`` hands every admit queued during one ``schedule()`` (or an idle engine's one
+arrival) to one Step (sent off the scheduler thread, ``blockd_vllm.outbox``); ``answered`` files
+blockd's answers, and the next ask returns its request's (None again while the Step is in
 flight). Lifecycle of one request id: queued -> in flight -> answered -> taken by an ask (a plan
 or "no hit"), or answered "pending" (blockd fetches its prefix from the remote tier: the caller
 promises vLLM an async load and asks ``again`` until it is not). A request that ends before its
@@ -93,15 +94,22 @@ class Admits:
         if isinstance(answer, Pending):
             self.answers[rid] = answer  # the caller decides: ``promise`` or ``again``
             return None
-        now = time.monotonic()
         if rid not in self.in_flight:
-            self.queued[rid] = request  # new: it goes with this schedule()'s Step
-            self._asked.setdefault(rid, now)
-        elif wait_s is not None and now - self._asked.get(rid, now) >= wait_s:
-            self.gave_up.add(rid)
-            self.counters["admit_wait_expired"] += 1
-            return NO_HIT
+            self.queue(request)  # new: it goes with this schedule()'s Step
+        elif wait_s is not None:
+            now = time.monotonic()
+            if now - self._asked.get(rid, now) >= wait_s:
+                self.gave_up.add(rid)
+                self.counters["admit_wait_expired"] += 1
+                return NO_HIT
         return None
+
+    def queue(self, request: Any) -> None:
+        """Queue ``request``'s admit for the next Step (``take``); its first ask or arrival
+        (``on_new_request``) starts its ``wait_s`` clock."""
+        rid = request.request_id
+        self.queued[rid] = request
+        self._asked.setdefault(rid, time.monotonic())
 
     def pending(self, rid: str) -> Pending | None:
         """The "pending" answer of ``rid``, taken (the caller answers vLLM ``(n, True)``)."""

@@ -150,6 +150,9 @@ class BlockdConnector(KVConnectorBase_V1):
     def _block_ids(self, request_id: str) -> Any:
         return self._kv_cache_manager.get_block_ids(request_id)
 
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)

@@ -5,11 +5,13 @@ so a block-size or layout mismatch refuses to start). vLLM's scheduler thread ne
 blockd: every call goes through the ``Outbox`` (``blockd_vllm.outbox``), whose thread makes it
 and applies its answer under this side's lock; the hooks only read and write plans. Per request:
 
-1. ``get_num_new_matched_tokens``: the first ask queues the prompt's admit and answers None
-   (vLLM skips the request this step and asks again next step); the admits of one
-   ``schedule()`` go out in one Step after it (``blockd_vllm.admits``). The next ask returns the
-   answer (None again while the Step is in flight; an engine with nothing else to run waits up
-   to ``IDLE_WAIT_S`` for it first, so it does not spin through empty steps): blockd's verified
+1. ``on_new_request`` (``new_request``): on an idle engine, owing blockd nothing, the admit
+   leaves at once. ``get_num_new_matched_tokens``: the first ask of a request whose admit is not
+   in flight queues it and answers None (vLLM skips the request this step and asks again next
+   step); the admits of one ``schedule()`` go out in one Step after it (``blockd_vllm.admits``).
+   The next ask returns the answer (None again while the Step is in flight; an idle engine's
+   ask waits up to ``IDLE_WAIT_S`` for it first, so it does not spin through empty steps, and
+   a request whose admit left on arrival runs in the first step): blockd's verified
    cached prefix (``num_cached_tokens``, full blocks only, never the last prompt token), *whose
    blocks it holds references to*, so nothing can evict them between this answer and the load;
    the rest of the prompt gets fresh blocks to save into. The external hit is what blockd holds
@@ -121,8 +123,12 @@ class SchedulerSide(LinkEvents):
         #: When the last Step was queued (``_bookkeeping_due``); ``schedules`` at the last tick.
         self._last_step = 0.0
         self._ticked = 0
-        #: The last step ran a batch (a new request's admit may then stop waiting).
+        #: The last step ran a batch.
         self._ran = False
+        #: The requests the last step ran, less those finished since: none, and the engine is
+        #: idle (a new request's ask then waits for its admit's answer; otherwise it may stop
+        #: waiting, ``admit_wait_s``).
+        self._running: set[str] = set()
         self.link.start(self)
 
     @property
@@ -198,9 +204,9 @@ class SchedulerSide(LinkEvents):
             if self.degraded and rid not in self.admits.in_flight:
                 self.admits.finished(rid)  # a pending answer of it is let go
                 return 0, False
-            answer = self.admits.ask(
-                request, self.settings.admit_wait_s if self._ran else None)
-            if answer is None and not self._ran and rid in self.admits.in_flight:
+            idle = not self._running
+            answer = self.admits.ask(request, None if idle else self.settings.admit_wait_s)
+            if answer is None and idle and rid in self.admits.in_flight:
                 answer = self._await_answer(request)
             if answer is None:
                 pending = self.admits.pending(rid)
@@ -216,9 +222,26 @@ class SchedulerSide(LinkEvents):
         plan.local_tokens = num_computed
         return max(0, plan.hit_tokens - num_computed), False
 
+    @hook
+    def new_request(self, request: Any) -> None:
+        """vLLM added ``request`` (``on_new_request``: before a ``schedule()`` asks about it).
+        When nothing else is owed to blockd (no Step in flight, no commit or release waiting,
+        every copy reported), its admit leaves at once: on an idle engine the first request's
+        answer is back about when ``schedule()`` asks for it, instead of an empty step later.
+        Otherwise it only queues, and goes with the Step of the next ``schedule()``, behind
+        what an idle engine's finished requests still owe (their commits: the next turn of a
+        conversation must hit the previous one)."""
+        if not self.eligible(request) or self.degraded or request.request_id in self.plans:
+            return
+        self.admits.queue(request)
+        if (not self.steps.outbox.busy and not self.dirty and not self.to_release
+                and self._idle() and not self._finishing()):
+            rids, admits = self.admits.take()
+            self._send(admits, [], [], rids, len(admits))
+
     def _await_answer(self, request: Any) -> Plan | int | None:
-        """An engine whose last step ran nothing waits for the answer of a new request's admit
-        in flight (``_idle_wait``), so the request can run in this very step."""
+        """An idle engine waits for the answer of a new request's admit in flight
+        (``_idle_wait``), so the request can run in this very step."""
         rid = request.request_id
         self._idle_wait(lambda: rid not in self.admits.in_flight)
         return self.admits.ask(request)
@@ -263,6 +286,7 @@ class SchedulerSide(LinkEvents):
         blocks, so a held request's append answered late is saved by a later empty step)."""
         self.counters["schedules"] += 1
         self._ran = bool(so.total_num_scheduled_tokens)
+        self._running = set(so.num_scheduled_tokens)
         if not self._ran and self.steps.outbox.busy:
             # Nothing runs until blockd answers (an admit, the append of a finished request's
             # last block, a remote fetch): wait for an answer rather than spin.
@@ -429,6 +453,7 @@ class SchedulerSide(LinkEvents):
         blocks (``block_ids``) until steps appended and saved every full block of it whose
         K/V was computed (``Copies.settle_held``)."""
         rid = request.request_id
+        self._running.discard(rid)
         self.admits.finished(rid)  # aborted while its admit was asked or in flight
         if self.remote.finished(rid):
             return False  # aborted while it waited for a remote fetch

@@ -1,0 +1,105 @@
+"""A new request's admit on its arrival (``on_new_request``), driven call by call as vLLM's
+scheduler calls the hooks, with vLLM's own ``Request`` and ``SchedulerOutput`` and a real
+daemon (frozen with SIGSTOP where an order of events must be pinned down).
+
+On an idle engine the admit leaves when vLLM adds the request, so the first ``schedule()`` that
+asks about it gets the answer in that very ask (it waits, as an idle engine's ask always did)
+instead of running an empty step first. When blockd is owed something (a Step in flight, a
+release or a commit still to send), the admit only queues and goes with the next
+``schedule()``'s Step, behind it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+from test_connector_protocol import request, roles, run_worker, step
+from vllm_support import start_daemon
+
+
+def _scheduler(tmp_path: Path, model_dir: Path):  # type: ignore[no-untyped-def]
+    d = start_daemon(tmp_path / "blockd")
+    sched, worker = roles(d, model_dir)
+    return d, sched, worker
+
+
+def test_an_idle_engines_first_ask_gets_the_answer_of_the_admit_sent_on_arrival(
+        tmp_path: Path, model_dir: Path) -> None:
+    """The engine ran a request before, which ended: idle again, though its last step ran a
+    batch (which told the connector nothing about the engine going idle)."""
+    d, sched, worker = _scheduler(tmp_path, model_dir)
+    side = sched.scheduler
+    r0, r1, r2 = (request(f"n{i}", [i + 5] * 100) for i in range(3))
+    try:
+        sched.on_new_request(r0)
+        assert sched.get_num_new_matched_tokens(r0, 0) == (0, False)
+        meta = sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)]))  # its last step
+        sched.update_connector_output(run_worker(worker, meta))  # r0's saves reported
+        sched.request_finished(r0, [])
+        # The heartbeat thread sends what the idle engine still owes (r0's release).
+        deadline = time.monotonic() + 5
+        while side.dirty or side.to_release or side.steps.outbox.busy:
+            assert time.monotonic() < deadline, "an idle engine's release was never sent"
+            time.sleep(0.02)
+        d.signal(signal.SIGSTOP)  # r1's Step stays in flight while r2 arrives
+        try:
+            added = threading.Event()
+
+            def arrive() -> None:  # vLLM's add_request, on the scheduler thread
+                sched.on_new_request(r1)
+                sched.on_new_request(r2)
+                added.set()
+
+            threading.Thread(target=arrive, daemon=True).start()
+            assert added.wait(5.0), "on_new_request waited on a frozen blockd"
+            assert r1.request_id in side.admits.in_flight  # left at once, before any schedule
+            assert r2.request_id in side.admits.queued  # a Step is in flight: it only queues
+        finally:
+            d.signal(signal.SIGCONT)
+        # The first schedule(): the ask of r1 waits for its answer (no empty step first).
+        assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(r2, 0) == (None, False)
+        sched.update_state_after_alloc(r1, None, 0)
+        sched.build_connector_meta(step([(r1, [0, 1, 2, 3], 0, 100)]))  # r2's admit goes
+        assert side.settle()
+        assert r2.request_id not in side.admits.queued
+        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
+        assert side.counters["admitted"] == 3
+        for r in (r1, r2):
+            sched.request_finished(r, [])
+        sched.build_connector_meta(step([]))
+        assert side.settle()
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
+def test_an_admit_on_arrival_waits_behind_what_blockd_is_owed(tmp_path: Path,
+                                                              model_dir: Path) -> None:
+    """A release still to send (a request that ended before taking its answer): the next
+    arrival's admit only queues; the next schedule()'s Step carries the release, then it."""
+    d, sched, worker = _scheduler(tmp_path, model_dir)
+    side = sched.scheduler
+    r0, r1 = (request(f"o{i}", [i + 9] * 100) for i in range(2))
+    try:
+        sched.on_new_request(r0)
+        assert side.settle() and r0.request_id in side.admits.answers
+        sched.request_finished(r0, [])  # aborted before any schedule() took its answer
+        assert side.to_release  # its sequence is released with the next Step
+        sched.on_new_request(r1)
+        assert r1.request_id in side.admits.queued and not side.steps.outbox.busy
+        sched.build_connector_meta(step([]))
+        assert side.settle()
+        assert not side.to_release and r1.request_id not in side.admits.queued
+        assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
+        sched.request_finished(r1, [])
+        sched.build_connector_meta(step([]))
+        assert side.settle()
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
