@@ -68,6 +68,7 @@ from blockd_vllm.namespace import EngineNamespace
 from blockd_vllm.outbox import Steps
 from blockd_vllm.plan import Plan
 from blockd_vllm.remote_loads import RemoteLoads
+from blockd_vllm.resolution import finishing, resolution_ops
 from blockd_vllm.settings import Settings
 from blockd_vllm.stats import BlockdConnectorStats, SchedulerFigures
 
@@ -235,7 +236,7 @@ class SchedulerSide(LinkEvents):
             return
         self.admits.queue(request)
         if (not self.steps.outbox.busy and not self.dirty and not self.to_release
-                and self._idle() and not self._finishing()):
+                and self._idle() and not finishing(self.plans)):
             rids, admits = self.admits.take()
             self._send(admits, [], [], rids, len(admits))
 
@@ -316,7 +317,7 @@ class SchedulerSide(LinkEvents):
             g.plan.appending = len(g.tokens)
         self.remote.poll(meta, self.admits, self.plans, self.degraded)
         rids, admits = [], []
-        if so.total_num_scheduled_tokens or not self._finishing():
+        if so.total_num_scheduled_tokens or not finishing(self.plans):
             rids, admits = self.admits.take()
         # else: an otherwise idle engine whose requests just ended (a conversation's next
         # turn arriving at once) asks after their last saves are reported and committed.
@@ -350,26 +351,11 @@ class SchedulerSide(LinkEvents):
         return every == 0 or (not self.steps.outbox.busy
                               and time.monotonic() - self._last_step >= every)
 
-    def _finishing(self) -> bool:
-        """A request ended with a save still to run or to be reported (its Commit to come)."""
-        return any(p.finished and (p.held or p.pending) and not (p.abandoned or p.failed)
-                   for p in self.plans.values())
-
     def _resolution_ops(self) -> tuple[list[pb.Operation], list[str]]:
-        """Commits and releases of every plan that is done, and pending releases."""
-        ops: list[pb.Operation] = []
-        releases: list[str] = []
-        for rid in self.dirty:
-            plan = self.plans.get(rid)
-            if plan is not None and self._resolve(plan, ops):
-                if plan.epoch == self.session.epoch:
-                    releases.append(plan.seq_id)
-                del self.plans[rid]
-        self.dirty.clear()
-        releases += self.to_release
-        ops += [rq.release(seq_id) for seq_id in self.to_release]
-        self.to_release = []
-        return ops, releases
+        """Commits and releases of every plan that is done, and pending releases
+        (``blockd_vllm.resolution``)."""
+        return resolution_ops(self.plans, self.dirty, self.to_release, self.session.epoch,
+                              self.B, self.counters)
 
     # -- Steps, off the scheduler thread --------------------------------------------------------
 
@@ -422,23 +408,6 @@ class SchedulerSide(LinkEvents):
             self.admits.settle(request.request_id, Pending(promised))
 
         self.steps.outbox.put(lambda: self.link.call(self.session.lookup, ns, tokens), then)
-
-    def _resolve(self, plan: Plan, ops: list[pb.Operation]) -> bool:
-        """Commit and/or release ``plan`` when it is done; True when it is."""
-        if plan.abandoned:
-            if plan.held or not (plan.scheduled or plan.finished):
-                return False  # vLLM may have been promised its blocks: load them first
-            if plan.epoch == self.session.epoch:
-                ops.append(rq.release(plan.seq_id))
-            return True
-        commit, done = plan.decide(self.B)
-        if commit:
-            ops.append(rq.commit(plan.seq_id))
-            self.counters["committed_blocks"] += plan.saved - plan.committed
-            plan.committed = plan.saved
-        if done:
-            ops.append(rq.release(plan.seq_id))
-        return done
 
     @hook
     def saves_reported(self, report: Any) -> None:
