@@ -8,9 +8,10 @@ worker) appends ``name<TAB>monotonic ns`` lines to ``$BLOCKD_TIMELINE-<pid>.tsv`
 half second and at shutdown; the clock is the machine's, so the processes' lines order on one
 axis). Both connectors pay the same clock: two ``time.monotonic_ns()`` per hook.
 
-Names: ``ask`` (``get_num_new_matched_tokens``), ``meta:<tokens>:<requests>``
-(``build_connector_meta``, with the step's scheduled tokens and requests), ``out``
-(``update_connector_output``), ``fin`` (``request_finished``) on the scheduler's side;
+Names: ``new`` (``on_new_request``), ``ask`` (``get_num_new_matched_tokens``),
+``meta:<tokens>:<requests>`` (``build_connector_meta``, with the step's scheduled tokens and
+requests), ``out`` (``update_connector_output``), ``fin`` (``request_finished``) on the
+scheduler's side;
 ``load`` (``start_load_kv``, which vLLM calls after the forward when no load must precede it),
 ``save`` (``wait_for_save``: the forward is done), ``done`` (``get_finished``) on the worker's;
 each followed by its ``_end`` (one worker: ``bench/vllm_timeline.py`` pairs an entry with the
@@ -83,6 +84,7 @@ def timed(base: type) -> type:
     class Timed(base):  # type: ignore[misc,valid-type]
         start_load_kv = clocked("load", base.start_load_kv)
         get_finished = clocked("done", base.get_finished)
+        on_new_request = clocked("new", base.on_new_request)
         get_num_new_matched_tokens = clocked("ask", base.get_num_new_matched_tokens)
         update_connector_output = clocked("out", base.update_connector_output)
         request_finished = clocked("fin", base.request_finished)

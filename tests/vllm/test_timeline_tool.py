@@ -36,7 +36,7 @@ def test_the_clocked_connector_times_a_real_engine(model_dir: Path, alone: Engin
         d.stop()
     events = read_events(prefix)  # written at the engine's clean exit
     names = {n.split(":")[0] for _, n in events}
-    assert {"ask", "meta", "out", "fin", "load", "save", "done", "step"} <= names, names
+    assert {"new", "ask", "meta", "out", "fin", "load", "save", "done", "step"} <= names, names
     assert all(f"{n}_end" in names for n in ("ask", "meta", "save", "step"))
     f = attribute(events, t0, t1)
     # 4 prompts of 108-140 tokens: their prefill, then a decode step per token after the first.
