@@ -2,7 +2,10 @@
 
 ``Link`` attaches at engine start (retrying until ``connect_timeout_s``; a refusal a retry will
 not fix, such as a bad token, a foreign tenant or a layout mismatch, refuses to start with the
-key and both values named), makes every call with a short deadline, and turns failures into
+key and both values named), sends its Steps over one long-lived StepStream (``blockd_client``'s
+``StepStreamer``: no unary call's setup per Step, in either process; reopened, and the Step
+resent with its step_id, exactly once applied, when the stream breaks), makes every call with a
+short deadline, and turns failures into
 states instead of exceptions: *degraded* while blockd does not answer (tried again every
 ``retry_interval_s``), a re-attached session after an epoch change. Its owner hears about both
 (``Listener``) and gets a periodic ``tick`` on the heartbeat thread, which also keeps the lease
@@ -139,7 +142,7 @@ class Link:
         try:
             session = until_answered(self.settings, lambda: self.client.attach(
                 self.settings.tenant, kv_layout(self.shape), tp_size=self.shape.tp_size,
-                map_pool=False, tables=False,
+                map_pool=False, tables=False, stream=True,
                 worker_name=self.settings.worker_name, lease_ms=self.settings.lease_ms))
         except BlockdError as err:
             self.client.close()  # the engine is ending: leave no channel behind
