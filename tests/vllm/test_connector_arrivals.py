@@ -68,6 +68,8 @@ def test_an_idle_engines_first_ask_gets_the_answer_of_the_admit_sent_on_arrival(
         assert r2.request_id not in side.admits.queued
         assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
         assert side.counters["admitted"] == 3
+        # Every Step went over one StepStream (blockd_client's StepStreamer), opened once.
+        assert side.link.session.streamer.opened == 1
         for r in (r1, r2):
             sched.request_finished(r, [])
         sched.build_connector_meta(step([]))
