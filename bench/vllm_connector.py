@@ -180,7 +180,11 @@ def ttft(work: Path, args: argparse.Namespace, reuse: dict[str, Any] | None = No
             for name in order:
                 if name == "hit":
                     retired(daemon)  # what "save" computed is in blockd's index (untimed)
-                rec[name] = engines[name].call(prompt, args.ttft_max_tokens)
+                rec[name] = engines[name].call(prompt, args.ttft_max_tokens,
+                                               others=[m for n, m in engines.items()
+                                                       if n != name])
+                if name in ("save", "hit"):
+                    retired(daemon)  # its commits and releases, before it is stopped
             tokens = {n: rec[n].pop("tokens") for n in TTFT}
             rec["same_tokens"] = all(tokens[n] == tokens["alone"] for n in TTFT)
             #: Every full block but the one holding the last prompt token (vLLM computes it).

