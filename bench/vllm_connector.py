@@ -283,8 +283,9 @@ def one_line(result: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=18,
-                    help="overhead repetitions (3 x the 6 orders)")
+    ap.add_argument("--repeats", type=int, default=36,
+                    help="overhead repetitions (6 x the 6 orders; no pause between calls: "
+                         "the engines not measured are stopped)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--length", type=int, default=320)
     ap.add_argument("--max-tokens", type=int, default=32)
