@@ -232,7 +232,9 @@ class SchedulerSide(LinkEvents):
         Otherwise it only queues, and goes with the Step of the next ``schedule()``, behind
         what an idle engine's finished requests still owe (their commits: the next turn of a
         conversation must hit the previous one)."""
-        if not self.eligible(request) or self.degraded or request.request_id in self.plans:
+        rid = request.request_id
+        if (not self.eligible(request) or self.degraded or rid in self.plans
+                or rid in self.admits.in_flight):
             return
         self.admits.queue(request)
         if (not self.steps.outbox.busy and not self.dirty and not self.to_release
