@@ -62,6 +62,9 @@ class Copies:
         (its first step, a load or a save handed out, tokens to append): only then may it be
         ready to commit or release; a decode step that does none of these leaves it as it
         was, so the scheduler side does not look at it again."""
+        end = computed + n
+        if plan.quiet(end, self.B):
+            return False
         changed = not plan.scheduled or bool(plan.loads)
         if plan.loads:
             for v, b in plan.loads:
@@ -72,7 +75,6 @@ class Copies:
         plan.scheduled = True
         if vblocks is None or plan.abandoned:
             return changed
-        end = computed + n
         if plan.saved < plan.num_prompt // self.B:  # else no prompt block is left to save
             blocks = plan.prompt_saves(end, self.B)
             if blocks:

@@ -70,6 +70,14 @@ class Plan:
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or self.num_prompt
 
+    def quiet(self, end: int, B: int) -> bool:
+        """Whether a step that leaves ``end`` tokens computed has nothing to do for this plan
+        (``Copies.plan`` would change nothing: most decode steps): its first step is past and
+        its loads went, its prompt blocks are handed out, no appended block waits for its save,
+        and no block completes past blockd's sequence."""
+        return (self.scheduled and not self.loads and not self.to_save
+                and self.saved >= self.num_prompt // B and end // B * B <= self.num_tokens)
+
     def prompt_blocks(self, B: int) -> int:
         return self.num_prompt // B
 

@@ -304,12 +304,16 @@ class SchedulerSide(LinkEvents):
         grow: list[Growth] = []
         plans, block_ids_of = self.plans, self.block_ids_of
         saving = block_ids_of is not None and not self.degraded
+        B = self.B
         for rid, n in so.num_scheduled_tokens.items():
             plan = plans.get(rid)
             if plan is None:
                 continue
+            done = computed.get(rid, 0)
+            if plan.quiet(done + n, B):
+                continue  # most decode steps: not even a call
             saves = (lambda rid=rid: block_ids_of(rid)[0]) if saving else None
-            if self.copies.plan(meta, rid, plan, computed.get(rid, 0), n, saves, grow):
+            if self.copies.plan(meta, rid, plan, done, n, saves, grow):
                 self.dirty.add(rid)
         self.dirty.update(self.copies.settle_held(meta, self.plans, self.degraded, grow))
         appends = [rq.append_batch([g.plan.seq_id for g in grow],
