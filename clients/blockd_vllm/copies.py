@@ -61,10 +61,8 @@ class Copies:
         them come with the answer of the Step that appends them). True when the plan changed
         (its first step, a load or a save handed out, tokens to append): only then may it be
         ready to commit or release; a decode step that does none of these leaves it as it
-        was, so the scheduler side does not look at it again."""
-        end = computed + n
-        if plan.quiet(end, self.B):
-            return False
+        was, so the scheduler side does not look at it again. The scheduler side does not even
+        call it for a plan ``Plan.quiet`` says has nothing to do in this step."""
         changed = not plan.scheduled or bool(plan.loads)
         if plan.loads:
             for v, b in plan.loads:
@@ -75,6 +73,7 @@ class Copies:
         plan.scheduled = True
         if vblocks is None or plan.abandoned:
             return changed
+        end = computed + n
         if plan.saved < plan.num_prompt // self.B:  # else no prompt block is left to save
             blocks = plan.prompt_saves(end, self.B)
             if blocks:
