@@ -14,26 +14,41 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from test_connector_protocol import request, roles, run_worker, step
 from vllm_support import start_daemon
 
 
-def _scheduler(tmp_path: Path, model_dir: Path):  # type: ignore[no-untyped-def]
+@contextmanager
+def _roles(tmp_path: Path, model_dir: Path):  # type: ignore[no-untyped-def]
+    """A daemon and both roles (``test_connector_protocol.roles``), shut down after."""
     d = start_daemon(tmp_path / "blockd")
     sched, worker = roles(d, model_dir)
-    return d, sched, worker
+    try:
+        yield d, sched, worker
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+        d.stop()
+
+
+def _finish(sched, requests) -> None:  # type: ignore[no-untyped-def]
+    """The requests end; their releases go with the next (empty) step's Step."""
+    for r in requests:
+        sched.request_finished(r, [])
+    sched.build_connector_meta(step([]))
+    assert sched.scheduler.settle()
 
 
 def test_an_idle_engines_first_ask_gets_the_answer_of_the_admit_sent_on_arrival(
         tmp_path: Path, model_dir: Path) -> None:
     """The engine ran a request before, which ended: idle again, though its last step ran a
     batch (which told the connector nothing about the engine going idle)."""
-    d, sched, worker = _scheduler(tmp_path, model_dir)
-    side = sched.scheduler
     r0, r1, r2 = (request(f"n{i}", [i + 5] * 100) for i in range(3))
-    try:
+    with _roles(tmp_path, model_dir) as (d, sched, worker):
+        side = sched.scheduler
         sched.on_new_request(r0)
         assert sched.get_num_new_matched_tokens(r0, 0) == (0, False)
         meta = sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)]))  # its last step
@@ -70,24 +85,16 @@ def test_an_idle_engines_first_ask_gets_the_answer_of_the_admit_sent_on_arrival(
         assert side.counters["admitted"] == 3
         # Every Step went over one StepStream (blockd_client's StepStreamer), opened once.
         assert side.link.session.streamer.opened == 1
-        for r in (r1, r2):
-            sched.request_finished(r, [])
-        sched.build_connector_meta(step([]))
-        assert side.settle()
-    finally:
-        worker.shutdown()
-        sched.shutdown()
-        d.stop()
+        _finish(sched, (r1, r2))
 
 
 def test_an_admit_on_arrival_waits_behind_what_blockd_is_owed(tmp_path: Path,
                                                               model_dir: Path) -> None:
     """A release still to send (a request that ended before taking its answer): the next
     arrival's admit only queues; the next schedule()'s Step carries the release, then it."""
-    d, sched, worker = _scheduler(tmp_path, model_dir)
-    side = sched.scheduler
     r0, r1 = (request(f"o{i}", [i + 9] * 100) for i in range(2))
-    try:
+    with _roles(tmp_path, model_dir) as (_, sched, _worker):
+        side = sched.scheduler
         sched.on_new_request(r0)
         assert side.settle() and r0.request_id in side.admits.answers
         sched.request_finished(r0, [])  # aborted before any schedule() took its answer
@@ -98,10 +105,4 @@ def test_an_admit_on_arrival_waits_behind_what_blockd_is_owed(tmp_path: Path,
         assert side.settle()
         assert not side.to_release and r1.request_id not in side.admits.queued
         assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
-        sched.request_finished(r1, [])
-        sched.build_connector_meta(step([]))
-        assert side.settle()
-    finally:
-        worker.shutdown()
-        sched.shutdown()
-        d.stop()
+        _finish(sched, (r1,))
