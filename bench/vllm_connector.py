@@ -177,14 +177,14 @@ def ttft(work: Path, args: argparse.Namespace, reuse: dict[str, Any] | None = No
             order.insert(rep % 3, "alone")
             order.insert((rep + 1) % 4, "noop")
             rec: dict[str, Any] = {"order": order}
-            for name in order:
-                if name == "hit":
-                    retired(daemon)  # what "save" computed is in blockd's index (untimed)
+            for name in order:  # "save" always before "hit"
                 rec[name] = engines[name].call(prompt, args.ttft_max_tokens,
                                                others=[m for n, m in engines.items()
                                                        if n != name])
                 if name in ("save", "hit"):
-                    retired(daemon)  # its commits and releases, before it is stopped
+                    # Untimed: its commits and releases, before it is stopped (after "save":
+                    # what it computed is in blockd's index for "hit").
+                    retired(daemon)
             tokens = {n: rec[n].pop("tokens") for n in TTFT}
             rec["same_tokens"] = all(tokens[n] == tokens["alone"] for n in TTFT)
             #: Every full block but the one holding the last prompt token (vLLM computes it).

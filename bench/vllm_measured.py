@@ -129,8 +129,7 @@ def alone(others: list[Engine]) -> Iterator[None]:
     vLLM's engine core and worker) until the block ends (SIGCONT). An idle vLLM CPU worker
     keeps polling its shared-memory queue for a second after its last step (vLLM's
     ``SpinCondition``, ``busy_loop_s``) and its OpenMP threads spin on its core: on 2 cores,
-    engines that alternate call by call take the measured engine's CPU in turns (27-36 ms of
-    CPU per 0.3 s call of the tiny model, measured with /proc during the timeline). Stopped,
+    engines that alternate call by call take the measured engine's CPU in turns. Stopped,
     they take none, and no settling pause is needed between calls. An engine with
     BlockdConnector keeps its session through a pause as long as its lease is longer
     (``vllm_rig.connector``: 120 s)."""
