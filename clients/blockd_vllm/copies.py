@@ -6,8 +6,10 @@ saves (vLLM -> blockd): of the prompt blocks the step completes, of generated bl
 before it (``blockd_vllm.plan``: saved in the first step after the append's answer that runs
 the request, when vLLM's blocks hold their K/V), and of requests that ended with such blocks
 unsaved (``held``: from the vLLM blocks vLLM kept for them, then let go through ``sent``).
-A step with saves is numbered; the workers report numbered steps back (``SaveReport``), and a
-plan commits only once none of its steps is unreported. The appends of generated tokens
+A step that copies (loads or saves) is numbered; the workers report numbered steps back
+(``SaveReport``), and a plan commits only once none of its steps is unreported. A step that
+copies nothing (most decode steps) has no number: its workers report nothing, and it never
+keeps the scheduler side from counting every copy done (``idle``). The appends of generated tokens
 (``Growth``) are planned here and their answers applied here (``grown``).
 """
 

@@ -296,8 +296,6 @@ class SchedulerSide(LinkEvents):
             answers = self.steps.outbox.answers
             self._idle_wait(lambda: self.steps.outbox.answers != answers)
         meta = BlockdMetadata()
-        if so.total_num_scheduled_tokens:
-            self.copies.number(meta)
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
@@ -322,6 +320,8 @@ class SchedulerSide(LinkEvents):
         for g in grow:
             g.plan.appending = len(g.tokens)
         self.remote.poll(meta, self.admits, self.plans, self.degraded)
+        if meta.load_vllm:
+            self.copies.number(meta)  # (a save numbered it already)
         rids, admits = [], []
         if so.total_num_scheduled_tokens or not finishing(self.plans):
             rids, admits = self.admits.take()

@@ -18,8 +18,8 @@ def test_a_busy_engines_commits_wait_for_a_step_that_carries_them_and_none_is_lo
         tmp_path: Path, model_dir: Path) -> None:
     """``commit_interval_s``: while the engine runs work, commits and releases alone make no
     Step of their own before the interval; the next admit takes them along (commits first, so
-    they are in the index before the admits of the same Step look), and a step that runs
-    nothing (the engine may be ending) sends what waits at once."""
+    they are in the index before the admits look), and a step that runs nothing (the engine
+    may be ending) sends what waits at once."""
     d = start_daemon(tmp_path / "blockd")
     extra = connector_config(d, "acme", "alice",
                              commit_interval_s=3600.0)["kv_connector_extra_config"]
@@ -50,13 +50,17 @@ def test_a_busy_engines_commits_wait_for_a_step_that_carries_them_and_none_is_lo
         assert sched.scheduler.settle()
         assert counters["blockd_steps"] == sent
         assert counters["committed_blocks"] == 0
-        # A new request's admit carries them: one Step, the commit before the admit.
+        # A new request's admit carries them out. No copy is in flight (a decode step copies
+        # nothing), so every fence announced is done: the commit goes first, in a Step of its
+        # own, and the admit in the next, which reports the first one's fence done, so the
+        # new request already hits r0's prompt.
         r1 = request("r1", prompt[:96] + [5] * 8)
         assert sched.get_num_new_matched_tokens(r1, 0) == (None, False)
         run_worker(worker, sched.build_connector_meta(step([busy])))
         assert sched.scheduler.settle()
-        assert counters["blockd_steps"] == sent + 1
+        assert counters["blockd_steps"] == sent + 2
         assert counters["committed_blocks"] == 3
+        assert sched.get_num_new_matched_tokens(r1, 0) == (96, False)
         # The commit joins the index once its fence is done (the worker's next step).
         run_worker(worker, sched.build_connector_meta(step([busy])))
         time.sleep(0.3)  # blockd's poller reads the fence page
