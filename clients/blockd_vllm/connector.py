@@ -11,7 +11,8 @@ does the copies and publishes the fence (``blockd_vllm.worker``). Enabled with::
                                                          "token_file": "/var/run/blockd/token"}}'
 
 (docs/vllm.md). Loads are synchronous from the scheduler's view (they finish inside the step,
-before attention reads the blocks), saves are reported a step later. The scheduler role never
+before attention reads the blocks), saves are reported a step or two later (on CPU they run on
+the worker's copy thread, ``blockd_vllm.copier``). The scheduler role never
 waits on blockd: a new request is answered None until its admit (sent with the other admits of
 the same ``schedule()``, off the scheduler thread) is answered, at most a step or two; a request
 that ended with a generated block still to save keeps its vLLM blocks for one more step
@@ -77,6 +78,13 @@ class BlockdConnector(KVConnectorBase_V1):
             self.worker.rank = get_tensor_model_parallel_rank()
         self.worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """First thing in a step: after a preemption, the saves still in flight on the copy
+        thread run before this step's loads and forward may write the preempted requests'
+        blocks (``blockd_vllm.copier``)."""
+        if isinstance(kv_connector_metadata, BlockdMetadata) and kv_connector_metadata.drain:
+            self.worker.drain()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, BlockdMetadata):
@@ -114,7 +122,7 @@ class BlockdConnector(KVConnectorBase_V1):
         """The worker's copies, or (the scheduler role, which vLLM aggregates with them) the
         scheduler thread's cost: schedules, Steps sent, time in the connector's hooks."""
         if self.worker is not None:
-            stats = BlockdConnectorStats.take(self.worker.counters)
+            stats = BlockdConnectorStats.take(self.worker.take_counters())
         else:
             stats = self.scheduler.take_stats()
         return None if stats.is_empty() else stats

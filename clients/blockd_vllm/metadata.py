@@ -63,6 +63,9 @@ class BlockdMetadata(KVConnectorMetadata):
     #: vLLM blocks promised to such a request that blockd does not hold (the fetch missed or
     #: failed): reported as load errors, vLLM recomputes them.
     load_failed: list[int] = field(default_factory=list)
+    #: vLLM preempted a request while saves were in flight: the worker lets its copy thread
+    #: finish them before this step writes anything (``handle_preemptions``).
+    drain: bool = False
 
     def has_work(self) -> bool:
         return bool(self.load_vllm or self.save_vllm)

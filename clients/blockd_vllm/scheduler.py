@@ -74,6 +74,14 @@ from blockd_vllm.stats import BlockdConnectorStats, SchedulerFigures
 
 log = logging.getLogger("blockd_vllm")
 
+
+def _cpu_workers() -> bool:
+    """Whether this engine's workers hold their KV cache in host memory (vLLM's CPU build)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 #: The longest an idle engine's ask waits for an admit's answer before vLLM steps again.
 IDLE_WAIT_S = 0.05
 
@@ -130,6 +138,10 @@ class SchedulerSide(LinkEvents):
         #: idle (a new request's ask then waits for its admit's answer; otherwise it may stop
         #: waiting, ``admit_wait_s``).
         self._running: set[str] = set()
+        #: The workers copy saves on a thread of their own (CPU tensors, ``blockd_vllm.copier``)
+        #: and report them a step or more later: a request that ends with one in flight keeps
+        #: its blocks until it is reported (on CUDA the stream orders them before any reuse).
+        self.async_saves = _cpu_workers()
         self.link.start(self)
 
     @property
@@ -322,6 +334,8 @@ class SchedulerSide(LinkEvents):
         self.remote.poll(meta, self.admits, self.plans, self.degraded)
         if meta.load_vllm:
             self.copies.number(meta)  # (a save numbered it already)
+        # vLLM freed a running request's blocks: saves still in flight may read them.
+        meta.drain = bool(getattr(so, "preempted_req_ids", None)) and not self.copies.idle()
         rids, admits = [], []
         if so.total_num_scheduled_tokens or not finishing(self.plans):
             rids, admits = self.admits.take()
@@ -439,10 +453,13 @@ class SchedulerSide(LinkEvents):
         self.dirty.add(rid)
         kv_upto = int(request.num_computed_tokens)
         unsaved = bool(plan.appending or plan.to_save)
-        if not (unsaved or plan.generated(kv_upto, self.B)):
-            return False
+        in_flight = self.async_saves and bool(plan.pending)
         if self.degraded or plan.abandoned or plan.failed:
             plan.growth_lost = unsaved
+            plan.to_save = []
+            if not in_flight:
+                return False
+        elif not (unsaved or in_flight or plan.generated(kv_upto, self.B)):
             return False
         plan.held, plan.vblocks, plan.kv_upto = True, list(block_ids), kv_upto
         self.counters["held_requests"] += 1

@@ -13,8 +13,13 @@ Per step, with the step's metadata bound:
   overlaps the forward layer by layer.
 - ``wait_for_save``: saves, vLLM -> blockd, of the blocks this step completed (all layers, after
   the forward wrote them, in the compute stream's order), then the scheduler session's fence
-  is published in that same order (``MappedPool.publish_fence_on_stream``): at once on CPU
-  tensors, by the GPU itself on CUDA, so no thread waits and no device-wide sync is made.
+  is published in that same order (``MappedPool.publish_fence_on_stream``): by the GPU itself
+  on CUDA, so no thread waits and no device-wide sync is made; on CPU tensors by the worker's
+  copy thread after the copies (``blockd_vllm.copier``), which runs them while vLLM takes the
+  step's output and schedules the next. A save is reported (``SaveReport``; a held request in
+  ``finished_sending``) only once its copy ran.
+- ``handle_preemptions``: a step after a preemption first waits for the copies in flight
+  (``BlockdMetadata.drain``): the preempted requests' blocks may be written in this step.
 
 A load that cannot run (the pool cannot be mapped), or a block promised to an async load that
 blockd does not hold (``load_failed``), is reported through ``get_block_ids_with_load_errors``;
@@ -25,9 +30,11 @@ vLLM then recomputes them (the connector sets vLLM's
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from typing import Any
 
+from blockd_vllm.copier import Copier, spare_cpus
 from blockd_vllm.layout import KvShape, block_view, copy_blocks, pool_view
 from blockd_vllm.metadata import BlockdMetadata, PoolRef, SaveReport
 
@@ -90,6 +97,10 @@ class WorkerSide:
         self.rank = 0
         self._events: dict[str, Any] = {}
         self._side_stream: Any = None
+        #: CPU tensors: the thread the saves run on (``blockd_vllm.copier``); ``_done`` guards
+        #: what it files (``report``, ``sent``, ``counters``) against the worker's thread.
+        self.copier: Copier | None = None
+        self._done = threading.Lock()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         if len(kv_caches) != self.shape.num_layers:
@@ -108,6 +119,15 @@ class WorkerSide:
                                  f"{self.shape.num_layers - 1} or repeated")
             seen.add(index)
             self.layers[name] = index
+        first = next(iter(self.views.values()), None)
+        if first is not None and first.device.type == "cpu" and self.copier is None:
+            self.copier = Copier(spare_cpus())
+
+    def drain(self) -> None:
+        """Wait until every save handed to the copy thread has run (its source blocks may be
+        written next, or its mapping closed)."""
+        if self.copier is not None:
+            self.copier.drain()
 
     # -- the pool ------------------------------------------------------------------------------
 
@@ -117,6 +137,8 @@ class WorkerSide:
         from blockd_client.pool import open_pool
 
         old = self.pool
+        if old is not None:
+            self.drain()  # copies in flight write through the old mapping
         self.pool, self.pool_ref = None, None
         if old is not None:
             old.close()
@@ -235,25 +257,49 @@ class WorkerSide:
             torch.cuda.current_stream().wait_event(event)
 
     def save(self, meta: BlockdMetadata) -> None:
-        """Every save of the step, then the fence (called once per step, after the forward)."""
+        """Every save of the step, then the fence (called once per step, after the forward):
+        here on CUDA (enqueued on the stream), on the copy thread on CPU, behind the saves
+        of earlier steps (a fence must never be published before an earlier step's copies)."""
         for name in list(self._events):  # layers whose load nobody waited for
             self.wait_layer(name)
-        try:
-            self._save(meta)
-        finally:
-            self.report.done = max(self.report.done, meta.step)
-            self.sent.update(meta.sent)  # saved or not: vLLM must get its blocks back
+        mapped = True
+        if meta.pool is not None and (meta.save_vllm or meta.fence):
+            mapped = self._map(meta.pool)  # here: a new mapping first drains the thread
+        if self.copier is not None and mapped and (meta.save_vllm or self.copier.busy):
+            pool = self.pool
+            self.copier.submit(lambda: self._finish_on_thread(meta, pool, mapped))
+        else:
+            self._finish(meta, self.pool, mapped)
 
-    def _save(self, meta: BlockdMetadata) -> None:
+    def _finish_on_thread(self, meta: BlockdMetadata, pool: Any, mapped: bool) -> None:
+        """``_finish`` on the copy thread, in inference mode as vLLM's forward (torch's mode is
+        per thread; vLLM's KV tensors, and the pool's views made in its steps, are inference
+        tensors, which only inference mode may update in place)."""
+        import torch
+
+        with torch.inference_mode():
+            self._finish(meta, pool, mapped)
+
+    def _finish(self, meta: BlockdMetadata, pool: Any, mapped: bool) -> None:
+        """A step's saves and fence, then its report."""
+        try:
+            self._save(meta, pool, mapped)
+        finally:
+            with self._done:
+                self.report.done = max(self.report.done, meta.step)
+                self.sent.update(meta.sent)  # saved or not: vLLM must get its blocks back
+
+    def _save(self, meta: BlockdMetadata, pool: Any, mapped: bool) -> None:
         if meta.pool is None or not (meta.save_vllm or meta.fence):
             return
-        if not self._map(meta.pool):
+        if not mapped:
             if meta.save_vllm:
-                self.report.failed.add(meta.step)
+                with self._done:
+                    self.report.failed.add(meta.step)
             return
         first = next(iter(self.views.values()))
         if meta.save_vllm:
-            kv_pool = self.pool.kv_pool(self.rank)
+            kv_pool = pool.kv_pool(self.rank)
             why = out_of_range(meta.save_vllm, first.shape[0], meta.save_blockd,
                                pool_view(kv_pool, 0).shape[0])
             if why is None:
@@ -264,12 +310,13 @@ class WorkerSide:
                         copy_blocks(pool_view(kv_pool, self.layers[name]), dst, view, src)
                 except (RuntimeError, IndexError) as err:
                     why = str(err)
-            if why is None:
-                self.report.ok.add(meta.step)
-                self._count_blocks("saved_blocks", len(meta.save_vllm))
-            else:
-                self.report.failed.add(meta.step)
-                self.counters["save_failures"] += 1
+            with self._done:
+                if why is None:
+                    self.report.ok.add(meta.step)
+                    self._count_blocks("saved_blocks", len(meta.save_vllm))
+                else:
+                    self.report.failed.add(meta.step)
+                    self.counters["save_failures"] += 1
                 log.warning("blockd_vllm: saving %d blocks failed (%s): they are not "
                             "committed", len(meta.save_vllm), why)
         if meta.fence:
@@ -278,7 +325,7 @@ class WorkerSide:
                 import torch
 
                 stream = torch.cuda.current_stream(first.device)
-            self.pool.publish_fence_on_stream(meta.fence, stream)
+            pool.publish_fence_on_stream(meta.fence, stream)
 
     def _count_blocks(self, key: str, n: int) -> None:
         """Blocks are counted once per engine (by rank 0: every rank copies its shard of the
@@ -287,13 +334,22 @@ class WorkerSide:
             self.counters[key] += n
 
     def take_report(self) -> SaveReport | None:
-        report, self.report = self.report, SaveReport()
+        with self._done:
+            report, self.report = self.report, SaveReport()
         return report if (report.ok or report.failed or report.done) else None
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call."""
-        sent, recving, self.sent, self.recving = self.sent, self.recving, set(), set()
+        with self._done:
+            sent, self.sent = self.sent, set()
+        recving, self.recving = self.recving, set()
         return sent, recving
+
+    def take_counters(self) -> Counter[str]:
+        """The copy counters since the last call."""
+        with self._done:
+            counters, self.counters = self.counters, Counter()
+        return counters
 
     def take_failed(self) -> set[int]:
         failed, self.failed_blocks = self.failed_blocks, set()
@@ -307,6 +363,7 @@ class WorkerSide:
         apply before the session is detached, instead of being dropped with it. Only right
         before the detach: the page then says "done" for any later fence too. True when every
         rank has retired (this one last, or alone): the one to detach the session."""
+        self.drain()  # the last saves run and publish their fences first
         if self.pool is None:
             return False
         first = next(iter(self.views.values()), None)
@@ -322,6 +379,9 @@ class WorkerSide:
             return self.shape.tp_size == 1
 
     def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -65,6 +65,7 @@ def scenario(d: Any, form: str, device: str, sync: Any = None) -> None:
                               save_blockd=table)
         worker.start_load(save)  # maps the pool (nothing to load)
         worker.save(save)
+        worker.drain()  # CPU tensors: the copy thread ran it (CUDA: nothing to wait for here)
         if sync:
             sync()
         kv = worker.pool.kv_pool(0)
@@ -114,6 +115,7 @@ def scenario(d: Any, form: str, device: str, sync: Any = None) -> None:
         assert worker.take_failed() == {VLLM_BLOCKS + 5, 0, 8}
         worker.save(BlockdMetadata(pool=ref, step=6, save_vllm=[3], save_blockd=[n_pool]))
         worker.save(BlockdMetadata(pool=ref, step=7, save_vllm=[-1], save_blockd=[table[0]]))
+        worker.drain()
         if sync:
             sync()
         report = worker.take_report()
@@ -133,6 +135,56 @@ def daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("form", ["LBHNC", "NHD", "HND"])
 def test_saves_and_loads_are_byte_exact_in_every_layout(daemon, form: str) -> None:  # type: ignore[no-untyped-def]
     scenario(daemon, form, "cpu")
+
+
+def test_cpu_saves_run_on_the_copy_thread_and_count_only_once_copied(daemon) -> None:  # type: ignore[no-untyped-def]
+    """On CPU tensors ``save`` returns before the copy (the copy thread runs it, bound to a
+    CPU the worker is not, when there is one): blockd's blocks, the fence, the report and a
+    held request's ``finished_sending`` all wait for it, and a later step's fence never
+    overtakes an earlier step's copy; ``drain`` returns once the copies in flight ran."""
+    import threading
+
+    from blockd_vllm.copier import spare_cpus
+
+    with Client(f"unix:{daemon.endpoints['unix']}", token=TOKENS["alice"]) as c:
+        s = c.attach("acme", LAYOUT, map_pool=False)
+        out = s.step([rq.admit(list(range(300, 312)), NS)])
+        table = list(out.results[0].admit.block_table)
+        f2, f3 = s.step([]).fence, s.step([]).fence  # later Steps: later fences
+        ref = PoolRef(s.session_id, s.epoch, s.state.attach.pool.handle_socket_path,
+                      fetch_secret=s.fetch_secret)
+        caches = vllm_caches("LBHNC", "cpu")
+        worker = WorkerSide(SHAPE, "LBHNC")
+        worker.register(caches)
+        assert worker.copier is not None and worker.copier.cpus == spare_cpus()
+        worker.save(BlockdMetadata(pool=ref, fence=out.fence))  # maps the pool; nothing queued
+        assert worker.pool.fences.published == out.fence
+        kv = worker.pool.kv_pool(0)
+        kv[:, :, table] = 0
+        gate = threading.Event()
+        worker.copier.submit(lambda: gate.wait(10))  # the thread is busy with an earlier step
+        worker.save(BlockdMetadata(pool=ref, fence=f2, step=1, save_vllm=[3, 5, 7],
+                                   save_blockd=table, sent=["held"]))
+        worker.save(BlockdMetadata(pool=ref, fence=f3))  # no saves: behind them all the same
+        assert worker.take_report() is None and worker.take_finished() == (set(), set())
+        assert worker.pool.fences.published == out.fence and not kv[:, :, table].any()
+        opened = threading.Timer(0.3, gate.set)
+        opened.start()
+        t0 = time.monotonic()
+        worker.drain()  # what a step after a preemption does first (``handle_preemptions``)
+        assert time.monotonic() - t0 >= 0.25  # it waited for the copies in flight
+        for name, t in caches.items():
+            layer = int(name.split(".")[2])
+            for vb, bb in zip([3, 5, 7], table, strict=True):
+                k, v = kv_of(t, "LBHNC", vb)
+                assert torch.equal(kv[layer, 0, bb], k) and torch.equal(kv[layer, 1, bb], v)
+        assert worker.pool.fences.published == f3
+        report = worker.take_report()
+        assert report is not None and report.ok == {1} and report.done == 1
+        assert worker.take_finished() == ({"held"}, set())  # vLLM frees its blocks now
+        assert worker.take_counters()["saved_blocks"] == 3
+        worker.close()
+        s.detach()
 
 
 def test_a_tensor_of_another_shape_is_refused_naming_it() -> None:

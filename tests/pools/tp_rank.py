@@ -56,11 +56,13 @@ def main() -> None:
             meta = BlockdMetadata(pool=ref, step=step, fence=fence, save_vllm=v, save_blockd=b)
             worker.start_load(meta)  # maps the pool (nothing to load)
             worker.save(meta)
+            worker.drain()  # the copy thread ran it (CPU tensors)
             report = worker.take_report()
             print("ok", "saved" if report is not None and step in report.ok else "failed",
                   flush=True)
         elif cmd == "fence":
             worker.save(BlockdMetadata(pool=ref, step=step, fence=int(args[0])))
+            worker.drain()
             print("ok", worker.pool.fences.published, flush=True)
         elif cmd == "load":
             v, b = ids(args[0]), ids(args[1])

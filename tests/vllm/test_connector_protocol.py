@@ -79,15 +79,21 @@ def ask(sched, r, computed: int = 0) -> tuple[int | None, bool]:  # type: ignore
     return sched.get_num_new_matched_tokens(r, computed)
 
 
-def run_worker(worker, meta) -> object:  # type: ignore[no-untyped-def]
-    """What the model runner does with a step's metadata; returns the KVConnectorOutput."""
+def run_worker(worker, meta, copied: bool = True) -> object:  # type: ignore[no-untyped-def]
+    """What the model runner does with a step's metadata; returns the KVConnectorOutput.
+    ``copied``: wait for the step's saves on the worker's copy thread before the step ends."""
     from vllm.v1.outputs import KVConnectorOutput
 
+    worker.handle_preemptions(meta)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     for name in worker.worker.views:
         worker.wait_for_layer_load(name)
     worker.wait_for_save()
+    if copied:
+        # The saves run on the worker's copy thread (CPU tensors) and are reported once they
+        # ran: in vLLM a step or two later; the driver waits, so each step reports its own.
+        worker.worker.drain()
     sending, recving = worker.get_finished(set())
     out = KVConnectorOutput(finished_sending=sending or set(), finished_recving=recving or set(),
                             kv_connector_worker_meta=worker.build_connector_worker_meta(),
