@@ -122,7 +122,10 @@ class BlockdConnector(KVConnectorBase_V1):
         """The worker's copies, or (the scheduler role, which vLLM aggregates with them) the
         scheduler thread's cost: schedules, Steps sent, time in the connector's hooks."""
         if self.worker is not None:
-            stats = BlockdConnectorStats.take(self.worker.take_counters())
+            counters = self.worker.take_counters()
+            if not counters:
+                return None  # (most steps)
+            stats = BlockdConnectorStats.take(counters)
         else:
             stats = self.scheduler.take_stats()
         return None if stats.is_empty() else stats

@@ -262,6 +262,8 @@ class WorkerSide:
         of earlier steps (a fence must never be published before an earlier step's copies)."""
         for name in list(self._events):  # layers whose load nobody waited for
             self.wait_layer(name)
+        if self._nothing_to_do(meta):
+            return
         mapped = True
         if meta.pool is not None and (meta.save_vllm or meta.fence):
             mapped = self._map(meta.pool)  # here: a new mapping first drains the thread
@@ -270,6 +272,14 @@ class WorkerSide:
             self.copier.submit(lambda: self._finish_on_thread(meta, pool, mapped))
         else:
             self._finish(meta, self.pool, mapped)
+
+    def _nothing_to_do(self, meta: BlockdMetadata) -> bool:
+        """Most decode steps: no copy (so no step number), no held request to let go, nothing
+        queued on the copy thread, and a fence already published on the pool it names."""
+        if meta.step or meta.sent or (self.copier is not None and self.copier.busy):
+            return False
+        return not meta.fence or (self.pool is not None and meta.fence <= self.pool.fences.highest
+                                  and self.pool_ref == meta.pool)
 
     def _finish_on_thread(self, meta: BlockdMetadata, pool: Any, mapped: bool) -> None:
         """``_finish`` on the copy thread, in inference mode as vLLM's forward (torch's mode is
@@ -334,6 +344,8 @@ class WorkerSide:
             self.counters[key] += n
 
     def take_report(self) -> SaveReport | None:
+        if not (self.report.ok or self.report.failed or self.report.done):
+            return None  # (the copy thread only adds to it: a report seen empty is empty)
         with self._done:
             report, self.report = self.report, SaveReport()
         return report if (report.ok or report.failed or report.done) else None
@@ -347,6 +359,8 @@ class WorkerSide:
 
     def take_counters(self) -> Counter[str]:
         """The copy counters since the last call."""
+        if not self.counters:
+            return Counter()
         with self._done:
             counters, self.counters = self.counters, Counter()
         return counters
