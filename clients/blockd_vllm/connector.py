@@ -79,11 +79,13 @@ class BlockdConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """First thing in a step: after a preemption, the saves still in flight on the copy
-        thread run before this step's loads and forward may write the preempted requests'
-        blocks (``blockd_vllm.copier``)."""
+        """First thing in a step: the earlier steps' saves may run on the copy thread now,
+        during this step's forward; after a preemption they run first, before this step's
+        loads and forward may write the preempted requests' blocks (``blockd_vllm.copier``)."""
         if isinstance(kv_connector_metadata, BlockdMetadata) and kv_connector_metadata.drain:
             self.worker.drain()
+        else:
+            self.worker.release()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

@@ -3,12 +3,13 @@
 On CUDA a save is already off the critical path (enqueued on the compute stream, the fence
 published by the GPU after it). On CPU tensors ``wait_for_save`` used to copy every block
 before vLLM got the step's output back, so the next step waited for the copies. Here they run
-on one thread, in the order the steps handed them out, while the engine core takes the output,
-schedules and sends the next step (and, where the machine has a core the workers are not bound
-to, during the next forward too). Each job ends by publishing its step's fence and filing its
-report, so blockd sees a block saved, and vLLM gets a held request's blocks back, only once the
-bytes are in. The thread is bound to the CPUs the workers are not (``cpus``), or left on the
-worker's when there are none.
+on one thread, in the order the steps handed them out, during the *next* step's forward: a job
+waits until the worker starts its next step (``release``, from vLLM's ``handle_preemptions``,
+the first hook of every step), not while the engine core takes the output and schedules (on a
+CPU machine it runs on the cores the workers leave free, where the copies would delay it). Each
+job ends by publishing its step's fence and filing its report, so blockd sees a block saved,
+and vLLM gets a held request's blocks back, only once the bytes are in. The thread is bound to
+the CPUs the workers are not (``cpus``), or left on the worker's when there are none.
 
 What may not overlap a copy is anything that overwrites its source: vLLM's blocks of a
 request are never rewritten while the request holds them, and a request that ends with a save
@@ -27,25 +28,39 @@ from collections.abc import Callable
 
 log = logging.getLogger("blockd_vllm")
 
+#: The longest a job waits for the next step to start (``release``) before it runs anyway:
+#: a step always follows a save (a request holds its blocks until its saves are reported), so
+#: only a bound.
+HOLD_S = 0.05
 
-def spare_cpus() -> set[int]:
-    """The CPUs this process may use that no worker is bound to: the calling thread's (vLLM
-    binds a CPU worker's threads to its cores) and the cores ``VLLM_CPU_OMP_THREADS_BIND``
-    lists for every rank (``"0-3|4-7"``), taken out; the calling thread's own when that leaves
-    none."""
-    own = os.sched_getaffinity(0)
-    bound = set(own)
-    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if binding not in ("auto", "nobind", "all"):
-        try:
-            bound |= set(_cpu_list(binding.replace("|", ",")))
-        except ValueError:
-            return own
+
+def spare_cpus(ranks: int = 1) -> set[int]:
+    """The CPUs for a worker's copy thread, from the calling thread's binding (vLLM binds a CPU
+    worker's threads to its cores), ``VLLM_CPU_OMP_THREADS_BIND`` and the cgroup's CPUs
+    (``spare``)."""
     try:
         allowed = set(_cpu_list(_cgroup_cpus()))
     except (OSError, ValueError):
         allowed = set(range(os.cpu_count() or 1))
-    return (allowed - bound) or own
+    return spare(os.sched_getaffinity(0), os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+                 allowed, ranks)
+
+
+def spare(own: set[int], binding: str, allowed: set[int], ranks: int) -> set[int]:
+    """The CPUs of ``allowed`` no worker of the engine is bound to: the worker's ``own`` and
+    every rank's cores of an explicit ``binding`` (``"0-3|4-7"``) taken out. ``own`` when that
+    leaves none, or when ``ranks`` > 1 workers were bound automatically (the other ranks' cores
+    are not known here)."""
+    bound = set(own)
+    if binding in ("auto", "nobind", "all"):
+        if ranks > 1:
+            return set(own)
+    else:
+        try:
+            bound |= set(_cpu_list(binding.replace("|", ",")))
+        except ValueError:
+            return set(own)
+    return (allowed - bound) or set(own)
 
 
 def _cgroup_cpus() -> str:
@@ -73,9 +88,12 @@ def _cpu_list(text: str) -> list[int]:
 class Copier:
     def __init__(self, cpus: set[int]) -> None:
         self.cpus = cpus
-        self._jobs: deque[Callable[[], None]] = deque()
+        self._jobs: deque[tuple[int, Callable[[], None]]] = deque()
         #: Jobs submitted and not finished (queued or running).
         self._open = 0
+        #: Jobs submitted so far, and those of them a ``release`` let run.
+        self._submitted = 0
+        self._released = 0
         self._stop = False
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="blockd-vllm-copies",
@@ -87,15 +105,32 @@ class Copier:
         """A job is queued or running (only the submitting thread adds any)."""
         return self._open > 0
 
+    @property
+    def held(self) -> int:
+        """Jobs submitted since the last ``release``."""
+        return self._submitted - self._released
+
     def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job``; it runs after the next ``release`` (or ``HOLD_S`` at most)."""
         with self._cv:
-            self._jobs.append(job)
+            self._submitted += 1
+            self._jobs.append((self._submitted, job))
             self._open += 1
             self._cv.notify_all()
 
-    def drain(self) -> None:
-        """Wait until every job submitted so far has run."""
+    def release(self) -> None:
+        """The worker started its next step: every job submitted so far may run."""
+        if self._released == self._submitted:
+            return  # (most steps: nothing waits; only the caller's thread submits)
         with self._cv:
+            self._released = self._submitted
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Run every job submitted so far, and wait until they have run."""
+        with self._cv:
+            self._released = self._submitted
+            self._cv.notify_all()
             self._cv.wait_for(lambda: self._open == 0)
 
     def close(self) -> None:
@@ -115,7 +150,9 @@ class Copier:
                 self._cv.wait_for(lambda: self._jobs or self._stop)
                 if not self._jobs:
                     return
-                job = self._jobs.popleft()
+                n, job = self._jobs[0]
+                self._cv.wait_for(lambda n=n: self._released >= n or self._stop, HOLD_S)
+                self._jobs.popleft()
             try:
                 job()
             except Exception:  # a job files its own failure; never lose the thread

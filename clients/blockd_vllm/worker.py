@@ -121,7 +121,12 @@ class WorkerSide:
             self.layers[name] = index
         first = next(iter(self.views.values()), None)
         if first is not None and first.device.type == "cpu" and self.copier is None:
-            self.copier = Copier(spare_cpus())
+            self.copier = Copier(spare_cpus(self.shape.tp_size))
+
+    def release(self) -> None:
+        """A step starts: the saves of the steps before it may run now, during its forward."""
+        if self.copier is not None:
+            self.copier.release()
 
     def drain(self) -> None:
         """Wait until every save handed to the copy thread has run (its source blocks may be

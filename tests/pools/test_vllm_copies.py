@@ -162,10 +162,11 @@ def test_cpu_saves_run_on_the_copy_thread_and_count_only_once_copied(daemon) -> 
         kv = worker.pool.kv_pool(0)
         kv[:, :, table] = 0
         gate = threading.Event()
-        worker.copier.submit(lambda: gate.wait(10))  # the thread is busy with an earlier step
+        worker.copier.submit(lambda: gate.wait(10))  # an earlier step's slow copy
         worker.save(BlockdMetadata(pool=ref, fence=f2, step=1, save_vllm=[3, 5, 7],
                                    save_blockd=table, sent=["held"]))
         worker.save(BlockdMetadata(pool=ref, fence=f3))  # no saves: behind them all the same
+        assert worker.copier.held == 3  # all wait for the next step to start (``release``)
         assert worker.take_report() is None and worker.take_finished() == (set(), set())
         assert worker.pool.fences.published == out.fence and not kv[:, :, table].any()
         opened = threading.Timer(0.3, gate.set)
@@ -173,6 +174,7 @@ def test_cpu_saves_run_on_the_copy_thread_and_count_only_once_copied(daemon) -> 
         t0 = time.monotonic()
         worker.drain()  # what a step after a preemption does first (``handle_preemptions``)
         assert time.monotonic() - t0 >= 0.25  # it waited for the copies in flight
+        assert worker.copier.held == 0
         for name, t in caches.items():
             layer = int(name.split(".")[2])
             for vb, bb in zip([3, 5, 7], table, strict=True):
@@ -185,6 +187,17 @@ def test_cpu_saves_run_on_the_copy_thread_and_count_only_once_copied(daemon) -> 
         assert worker.take_counters()["saved_blocks"] == 3
         worker.close()
         s.detach()
+
+
+def test_the_copy_thread_goes_where_no_worker_of_the_engine_is_bound() -> None:
+    from blockd_vllm.copier import spare
+
+    four = {0, 1, 2, 3}
+    assert spare({0}, "auto", four, ranks=1) == {1, 2, 3}  # vLLM's reserved cores included
+    assert spare({0}, "auto", four, ranks=2) == {0}  # the other rank's cores are unknown
+    assert spare({0}, "0|1", four, ranks=2) == {2, 3}
+    assert spare({0, 1}, "0-1,3|2", four, ranks=2) == {0, 1}  # none left: its own
+    assert spare({0}, "not a list", four, ranks=1) == {0}
 
 
 def test_a_tensor_of_another_shape_is_refused_naming_it() -> None:
