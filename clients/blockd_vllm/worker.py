@@ -15,10 +15,11 @@ Per step, with the step's metadata bound:
   the forward wrote them, in the compute stream's order), then the scheduler session's fence
   is published in that same order (``MappedPool.publish_fence_on_stream``): by the GPU itself
   on CUDA, so no thread waits and no device-wide sync is made; on CPU tensors by the worker's
-  copy thread after the copies (``blockd_vllm.copier``), which runs them while vLLM takes the
-  step's output and schedules the next. A save is reported (``SaveReport``; a held request in
-  ``finished_sending``) only once its copy ran.
-- ``handle_preemptions``: a step after a preemption first waits for the copies in flight
+  copy thread after the copies (``blockd_vllm.copier``), which runs them during the next step's
+  forward. A save is reported (``SaveReport``; a held request in ``finished_sending``) only
+  once its copy ran.
+- ``handle_preemptions`` (the first hook of every step): the copy thread may run the earlier
+  steps' saves now; after a preemption it runs them first, and the step waits
   (``BlockdMetadata.drain``): the preempted requests' blocks may be written in this step.
 
 A load that cannot run (the pool cannot be mapped), or a block promised to an async load that
@@ -272,7 +273,7 @@ class WorkerSide:
         mapped = True
         if meta.pool is not None and (meta.save_vllm or meta.fence):
             mapped = self._map(meta.pool)  # here: a new mapping first drains the thread
-        if self.copier is not None and mapped and (meta.save_vllm or self.copier.busy):
+        if self.copier is not None and (meta.save_vllm or self.copier.busy):
             pool = self.pool
             self.copier.submit(lambda: self._finish_on_thread(meta, pool, mapped))
         else:
