@@ -12,7 +12,9 @@ Names: ``new`` (``on_new_request``), ``ask`` (``get_num_new_matched_tokens``),
 ``meta:<tokens>:<requests>`` (``build_connector_meta``, with the step's scheduled tokens and
 requests), ``out`` (``update_connector_output``), ``fin`` (``request_finished``) on the
 scheduler's side;
-``load`` (``start_load_kv``, which vLLM calls after the forward when no load must precede it),
+``pre`` (``handle_preemptions``, the first hook of every step: BlockdConnector lets its copy
+thread run the earlier steps' saves there), ``load`` (``start_load_kv``, which vLLM calls after
+the forward when no load must precede it),
 ``save`` (``wait_for_save``: the forward is done), ``done`` (``get_finished``) on the worker's;
 each followed by its ``_end`` (one worker: ``bench/vllm_timeline.py`` pairs an entry with the
 next exit of the same name, which two tensor-parallel workers' lines would interleave).
@@ -82,6 +84,7 @@ def timed(base: type) -> type:
         return run
 
     class Timed(base):  # type: ignore[misc,valid-type]
+        handle_preemptions = clocked("pre", base.handle_preemptions)
         start_load_kv = clocked("load", base.start_load_kv)
         get_finished = clocked("done", base.get_finished)
         on_new_request = clocked("new", base.on_new_request)

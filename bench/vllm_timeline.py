@@ -57,7 +57,7 @@ import blockd_apps.vllm_engine as vllm_engine  # noqa: E402
 from blockd_apps.vllm_engine import Engine, tiny_model  # noqa: E402
 
 ENGINES = ("blockd", "noop")
-HOOKS = ("new", "ask", "meta", "out", "fin", "load", "save", "done")
+HOOKS = ("new", "ask", "meta", "out", "fin", "pre", "load", "save", "done")
 FIGURES = ("wall_ms", "first_prefill_ms", "prefill_ms", "decode_ms", "steps", "empty_steps",
            "hooks_ms", "save_ms", "decode_step_ms", "overlapped_steps", "overlapped_step_ms",
            "daemon_steps")

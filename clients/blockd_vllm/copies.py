@@ -125,6 +125,25 @@ class Copies:
         plan.pending.add(self.number(meta))
         self.saving.setdefault(meta.step, set()).add(rid)
 
+    def hold(self, plan: Plan, kv_upto: int, block_ids: list[int], gone: bool,
+             in_flight: bool) -> bool:
+        """Whether vLLM keeps the blocks (``block_ids``) of ``plan``'s request, which ended with
+        ``kv_upto`` tokens computed: until steps appended and saved every full block of it with
+        K/V (``settle_held`` lets them go), or, ``in_flight``, until a save of it handed out
+        earlier is reported (a CPU worker's copy thread may still read them). ``gone``: blockd
+        went away, or the plan was lost or failed: nothing more is saved."""
+        unsaved = bool(plan.appending or plan.to_save)
+        if gone or plan.abandoned or plan.failed:
+            plan.growth_lost = unsaved
+            plan.to_save = []
+            if not in_flight:
+                return False
+        elif not (unsaved or in_flight or plan.generated(kv_upto, self.B)):
+            return False
+        plan.held, plan.vblocks, plan.kv_upto = True, list(block_ids), kv_upto
+        self.counters["held_requests"] += 1
+        return True
+
     def settle_held(self, meta: BlockdMetadata, plans: dict[str, Plan], degraded: bool,
                     grow: list[Growth]) -> list[str]:
         """Requests that ended with generated blocks not saved yet: once their append is

@@ -440,7 +440,8 @@ class SchedulerSide(LinkEvents):
         """The request ended: its plan is released (after a commit, when its saves were all
         handed out and are reported done) in a later Step. True: vLLM keeps the request's
         blocks (``block_ids``) until steps appended and saved every full block of it whose
-        K/V was computed (``Copies.settle_held``)."""
+        K/V was computed, or a save of it still on a worker's copy thread is reported
+        (``Copies.hold``, ``Copies.settle_held``)."""
         rid = request.request_id
         self._running.discard(rid)
         self.admits.finished(rid)  # aborted while its admit was asked or in flight
@@ -451,19 +452,9 @@ class SchedulerSide(LinkEvents):
             return False
         plan.finished = True
         self.dirty.add(rid)
-        kv_upto = int(request.num_computed_tokens)
-        unsaved = bool(plan.appending or plan.to_save)
         in_flight = self.async_saves and bool(plan.pending)
-        if self.degraded or plan.abandoned or plan.failed:
-            plan.growth_lost = unsaved
-            plan.to_save = []
-            if not in_flight:
-                return False
-        elif not (unsaved or in_flight or plan.generated(kv_upto, self.B)):
-            return False
-        plan.held, plan.vblocks, plan.kv_upto = True, list(block_ids), kv_upto
-        self.counters["held_requests"] += 1
-        return True
+        return self.copies.hold(plan, int(request.num_computed_tokens), block_ids,
+                                gone=self.degraded, in_flight=in_flight)
 
     @under_lock
     def take_stats(self) -> BlockdConnectorStats:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from vllm_support import Engine, connector_config, shared_prefix_workload, start_daemon
@@ -36,7 +37,12 @@ def test_the_clocked_connector_times_a_real_engine(model_dir: Path, alone: Engin
         d.stop()
     events = read_events(prefix)  # written at the engine's clean exit
     names = {n.split(":")[0] for _, n in events}
-    assert {"new", "ask", "meta", "out", "fin", "load", "save", "done", "step"} <= names, names
+    assert {"new", "ask", "meta", "out", "fin", "pre", "load", "save", "done",
+            "step"} <= names, names
+    # vLLM's own model runner calls handle_preemptions at the start of every step that saves:
+    # where BlockdConnector lets its copy thread run the saves of the steps before.
+    count = Counter(n for _, n in events)
+    assert count["pre"] == count["save"] > 0, count
     assert all(f"{n}_end" in names for n in ("ask", "meta", "save", "step"))
     f = attribute(events, t0, t1)
     # 4 prompts of 108-140 tokens: their prefill, then a decode step per token after the first.
