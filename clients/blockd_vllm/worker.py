@@ -333,6 +333,7 @@ class WorkerSide:
                 else:
                     self.report.failed.add(meta.step)
                     self.counters["save_failures"] += 1
+            if why is not None:
                 log.warning("blockd_vllm: saving %d blocks failed (%s): they are not "
                             "committed", len(meta.save_vllm), why)
         if meta.fence:
