@@ -33,6 +33,11 @@ log = logging.getLogger("blockd_vllm")
 #: only a bound.
 HOLD_S = 0.05
 
+#: The copy thread's name in the kernel (``comm``, 15 bytes at most): a new thread inherits its
+#: creator's (``VLLM::Worker``), which tools that find a CPU worker's cores by name (``top``,
+#: ``bench/vllm_measured.worker_cpus``) would then count as a worker thread.
+THREAD_NAME = "blockd-copies"
+
 
 def spare_cpus(ranks: int = 1) -> set[int]:
     """The CPUs for a worker's copy thread, from the calling thread's binding (vLLM binds a CPU
@@ -83,6 +88,16 @@ def _cpu_list(text: str) -> list[int]:
         lo, _, hi = part.strip().partition("-")
         cpus.extend(range(int(lo), int(hi or lo) + 1))
     return cpus
+
+
+def _name_thread(name: str) -> None:
+    """Name the calling thread in the kernel (Linux; elsewhere, or if refused, it keeps its
+    inherited name)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name)
+    except OSError:
+        pass
 
 
 class Copier:
@@ -141,6 +156,7 @@ class Copier:
         self._thread.join()
 
     def _run(self) -> None:
+        _name_thread(THREAD_NAME)
         try:
             os.sched_setaffinity(0, self.cpus)
         except OSError as err:  # (a cpuset narrower than the cgroup said: stay where we are)

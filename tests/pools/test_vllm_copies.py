@@ -137,14 +137,19 @@ def test_saves_and_loads_are_byte_exact_in_every_layout(daemon, form: str) -> No
     scenario(daemon, form, "cpu")
 
 
-def test_cpu_saves_run_on_the_copy_thread_and_count_only_once_copied(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_saves_run_on_the_copy_thread_and_count_only_once_copied(daemon, caplog) -> None:  # type: ignore[no-untyped-def]
     """On CPU tensors ``save`` returns before the copy (the copy thread runs it, bound to a
-    CPU the worker is not, when there is one): blockd's blocks, the fence, the report and a
-    held request's ``finished_sending`` all wait for it, and a later step's fence never
-    overtakes an earlier step's copy; ``drain`` returns once the copies in flight ran."""
+    CPU the worker is not, when there is one, and named for the kernel so that nothing takes
+    it for one of vLLM's worker threads): blockd's blocks, the fence, the report and a held
+    request's ``finished_sending`` all wait for it, and a later step's fence never overtakes
+    an earlier step's copy; ``drain`` returns once the copies in flight ran. A save that
+    succeeds logs nothing."""
+    import logging
     import threading
 
-    from blockd_vllm.copier import spare_cpus
+    from blockd_vllm.copier import THREAD_NAME, spare_cpus
+
+    caplog.set_level(logging.WARNING, logger="blockd_vllm")
 
     with Client(f"unix:{daemon.endpoints['unix']}", token=TOKENS["alice"]) as c:
         s = c.attach("acme", LAYOUT, map_pool=False)
@@ -185,6 +190,10 @@ def test_cpu_saves_run_on_the_copy_thread_and_count_only_once_copied(daemon) -> 
         assert report is not None and report.ok == {1} and report.done == 1
         assert worker.take_finished() == ({"held"}, set())  # vLLM frees its blocks now
         assert worker.take_counters()["saved_blocks"] == 3
+        assert not [r for r in caplog.records if r.name == "blockd_vllm"]
+        tid = worker.copier._thread.native_id
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            assert f.read().strip() == THREAD_NAME
         worker.close()
         s.detach()
 
