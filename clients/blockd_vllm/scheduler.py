@@ -218,7 +218,10 @@ class SchedulerSide(LinkEvents):
                 self.admits.finished(rid)  # a pending answer of it is let go
                 return 0, False
             idle = not self._running
+            arrived = rid in self.admits.queued  # on arrival (``new_request``), not sent yet
             answer = self.admits.ask(request, None if idle else self.settings.admit_wait_s)
+            if answer is None and idle and arrived:
+                self._send_admits()  # with those that arrived with it, in one Step
             if answer is None and idle and rid in self.admits.in_flight:
                 answer = self._await_answer(request)
             if answer is None:
@@ -243,14 +246,21 @@ class SchedulerSide(LinkEvents):
         answer is back about when ``schedule()`` asks for it, instead of an empty step later.
         Otherwise it only queues, and goes with the Step of the next ``schedule()``, behind
         what an idle engine's finished requests still owe (their commits: the next turn of a
-        conversation must hit the previous one)."""
+        conversation must hit the previous one). Requests arriving together at an idle engine:
+        the first leaves at once, the others queue behind it; ``schedule()``'s first ask of
+        one of them sends them all in one Step and waits for it, so they all run in the
+        engine's first step rather than a step after the first request."""
         rid = request.request_id
         if (not self.eligible(request) or self.degraded or rid in self.plans
                 or rid in self.admits.in_flight):
             return
         self.admits.queue(request)
-        if (not self.steps.outbox.busy and not self.dirty and not self.to_release
-                and self._idle() and not finishing(self.plans)):
+        self._send_admits()
+
+    def _send_admits(self) -> None:
+        """Send the queued admits in one Step now, when nothing else is owed to blockd."""
+        if (self.admits.queued and not self.steps.outbox.busy and not self.dirty
+                and not self.to_release and self._idle() and not finishing(self.plans)):
             rids, admits = self.admits.take()
             self._send(admits, [], [], rids, len(admits))
 

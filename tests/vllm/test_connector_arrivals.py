@@ -6,7 +6,9 @@ On an idle engine the admit leaves when vLLM adds the request, so the first ``sc
 asks about it gets the answer in that very ask (it waits, as an idle engine's ask always did)
 instead of running an empty step first. When blockd is owed something (a Step in flight, a
 release or a commit still to send), the admit only queues and goes with the next
-``schedule()``'s Step, behind it.
+``schedule()``'s Step, behind it. Requests that arrive together at an idle engine while the
+first one's admit is in flight: the ``schedule()``'s first ask of one of them sends all their
+queued admits in one Step and waits for it, so they all run in the engine's first step.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def test_an_idle_engines_first_ask_gets_the_answer_of_the_admit_sent_on_arrival(
         tmp_path: Path, model_dir: Path) -> None:
     """The engine ran a request before, which ended: idle again, though its last step ran a
     batch (which told the connector nothing about the engine going idle)."""
-    r0, r1, r2 = (request(f"n{i}", [i + 5] * 100) for i in range(3))
+    r0, r1, r2, r3 = (request(f"n{i}", [i + 5] * 100) for i in range(4))
     with _roles(tmp_path, model_dir) as (d, sched, worker):
         side = sched.scheduler
         sched.on_new_request(r0)
@@ -59,33 +61,36 @@ def test_an_idle_engines_first_ask_gets_the_answer_of_the_admit_sent_on_arrival(
         while side.dirty or side.to_release or side.steps.outbox.busy:
             assert time.monotonic() < deadline, "an idle engine's release was never sent"
             time.sleep(0.02)
-        d.signal(signal.SIGSTOP)  # r1's Step stays in flight while r2 arrives
+        steps = side.counters["blockd_steps"]
+        d.signal(signal.SIGSTOP)  # r1's Step stays in flight while r2 and r3 arrive
         try:
             added = threading.Event()
 
             def arrive() -> None:  # vLLM's add_request, on the scheduler thread
-                sched.on_new_request(r1)
-                sched.on_new_request(r2)
+                for r in (r1, r2, r3):
+                    sched.on_new_request(r)
                 added.set()
 
             threading.Thread(target=arrive, daemon=True).start()
             assert added.wait(5.0), "on_new_request waited on a frozen blockd"
-            assert r1.request_id in side.admits.in_flight  # left at once, before any schedule
-            assert r2.request_id in side.admits.queued  # a Step is in flight: it only queues
+            assert list(side.admits.in_flight) == [r1.request_id]  # left at once
+            # A Step is in flight: they only queue.
+            assert list(side.admits.queued) == [r2.request_id, r3.request_id]
         finally:
             d.signal(signal.SIGCONT)
-        # The first schedule(): the ask of r1 waits for its answer (no empty step first).
-        assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)
-        assert sched.get_num_new_matched_tokens(r2, 0) == (None, False)
-        sched.update_state_after_alloc(r1, None, 0)
-        sched.build_connector_meta(step([(r1, [0, 1, 2, 3], 0, 100)]))  # r2's admit goes
+        # The first schedule(): the ask of r1 waits for its answer (no empty step first); the
+        # ask of r2 sends the queued admits in one Step and waits for it, so r2 and r3 run in
+        # this step too (not a step later, in a step of their own).
+        assert [sched.get_num_new_matched_tokens(r, 0) for r in (r1, r2, r3)] == [(0, False)] * 3
+        assert side.counters["blockd_steps"] - steps == 2 and not side.admits.queued
+        for r in (r1, r2, r3):
+            sched.update_state_after_alloc(r, None, 0)
+        sched.build_connector_meta(step([(r1, [0, 1, 2, 3], 0, 100)]))
         assert side.settle()
-        assert r2.request_id not in side.admits.queued
-        assert sched.get_num_new_matched_tokens(r2, 0) == (0, False)
-        assert side.counters["admitted"] == 3
+        assert side.counters["admitted"] == 4
         # Every Step went over one StepStream (blockd_client's StepStreamer), opened once.
         assert side.link.session.streamer.opened == 1
-        _finish(sched, (r1, r2))
+        _finish(sched, (r1, r2, r3))
 
 
 def test_an_admit_on_arrival_waits_behind_what_blockd_is_owed(tmp_path: Path,

@@ -159,11 +159,12 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
 
 def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Path,
                                                                    model_dir: Path) -> None:
-    """Four new requests asked in one ``schedule()`` while the daemon is frozen (SIGSTOP): every
-    ask answers None and ``build_connector_meta`` returns at once (an RPC on the scheduler
-    thread would wait for the 30 s deadline); once the daemon runs again their admits went in
-    one Step, and the next asks get the answers. The connector's stats report the schedules,
-    the Steps and the scheduler thread's time."""
+    """Four new requests asked in one ``schedule()`` of a busy engine (another request runs)
+    while the daemon is frozen (SIGSTOP): every ask answers None and ``build_connector_meta``
+    returns at once (an RPC on the scheduler thread would wait for the 30 s deadline); once the
+    daemon runs again their admits went in one Step, and the next asks get the answers. The
+    connector's stats report the schedules, the Steps and the scheduler thread's time. (An
+    idle engine waits for its admits instead: test_connector_admit_wait.py.)"""
     import signal
     import threading
 
@@ -176,6 +177,9 @@ def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Pat
         # would let go of the GIL once per operation in the outbox thread's every answer.
         assert sched.scheduler.link.session.tables is None
         rs = [request(f"r{i}", [i + 1] * 40 + list(range(1, 61))) for i in range(4)]
+        other = request("other", list(range(1, 101)))  # runs: the engine is busy
+        sched.build_connector_meta(step([(other, [0, 1, 2, 3], 0, 100)]))
+        assert sched.scheduler.settle()
         sched.get_kv_connector_stats()  # start a fresh interval
         steps = counters["blockd_steps"]
         answers: list[object] = []
@@ -183,7 +187,7 @@ def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Pat
 
         def schedule() -> None:  # what vLLM's scheduler thread does in one schedule()
             answers.extend(sched.get_num_new_matched_tokens(r, 0) for r in rs)
-            sched.build_connector_meta(step([]))
+            sched.build_connector_meta(step([(other, [0, 1, 2, 3], 100, 1)]))
             done.set()
 
         d.signal(signal.SIGSTOP)
@@ -373,10 +377,11 @@ def test_a_reaped_session_reattaches_and_the_admits_that_found_out_go_again(
         assert "lease expired" in d.log_text()
         sched.get_kv_connector_stats()  # a fresh interval
         r1 = request("r1", prompt[:96] + [7] * 10)
-        assert ask(sched, r1) == (None, False)  # its Step found the session gone
+        # Its Step finds the session gone; the link re-attaches and queues the admit again,
+        # and the idle engine's next ask sends it on the new session and waits: a hit.
+        assert ask(sched, r1) == (96, False)
         counters = sched.scheduler.counters
         assert counters["epoch_changes"] == 1 and counters["admits_resent"] == 1
-        assert ask(sched, r1) == (96, False)  # asked again on the new session: a hit
         stats = sched.get_kv_connector_stats().reduce()
         assert stats["epoch_changes"] == 1 and stats["admits_resent"] == 1
         assert stats["degraded_episodes"] == 0
