@@ -182,8 +182,9 @@ class WorkerSide:
             self._start_load(meta)
         finally:
             # Async loads: what blockd did not hold is recomputed; the requests go on.
-            self.failed_blocks.update(meta.load_failed)
-            self.counters["load_failures"] += len(meta.load_failed)
+            if meta.load_failed:  # (a zero would leave a key: every step's stats built)
+                self.failed_blocks.update(meta.load_failed)
+                self.counters["load_failures"] += len(meta.load_failed)
             self.recving.update(meta.recv)
 
     def _start_load(self, meta: BlockdMetadata) -> None:

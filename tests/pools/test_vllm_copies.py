@@ -64,6 +64,7 @@ def scenario(d: Any, form: str, device: str, sync: Any = None) -> None:
         save = BlockdMetadata(pool=ref, fence=out.fence, step=1, save_vllm=[3, 5, 7],
                               save_blockd=table)
         worker.start_load(save)  # maps the pool (nothing to load)
+        assert not worker.take_counters()  # nothing loaded or failed: no figure for vLLM
         worker.save(save)
         worker.drain()  # CPU tensors: the copy thread ran it (CUDA: nothing to wait for here)
         if sync:
