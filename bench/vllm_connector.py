@@ -16,11 +16,13 @@ than any connector does.
    repetition two passes of ``--requests`` distinct new ``--length``-token prompts (nothing
    ever hits), one ``generate`` call per engine and pass, the second pass in the reverse order
    of the first (``bench/vllm_overhead``: a drift of the machine weighs on every engine alike),
-   the first pass's order rotating through all six permutations: wall time, output tokens/s,
+   the first pass's order rotating through the permutations: wall time, output tokens/s,
    and the ratios *per repetition* blockd / noop (target <= 1.05 in time), noop / alone,
-   blockd / alone. The daemon is bound to the CPUs vLLM's CPU workers are not bound to (read
-   from the workers' threads; stated in the JSON), as a sidecar is kept off a CPU node's worker
-   cores. For the blockd engine also the daemon's Steps during the call
+   blockd / alone. A fourth engine, ``noop2``, a second no-op one (``--no-control``: none),
+   runs in the same rotation: noop2 / noop is the same engine twice, so its spread is the
+   ratios' noise floor in that run. The daemon is bound to the CPUs vLLM's CPU workers are not
+   bound to (read from the workers' threads; stated in the JSON), as a sidecar is kept off a
+   CPU node's worker cores. For the blockd engine also the daemon's Steps during the call
    (``blockd_step_duration_seconds``'s count) per engine step (vLLM's ``iteration_tokens_total``
    count: one per ``schedule()`` that ran a batch), and whatever figures the connector exports
    through vLLM's metrics.
@@ -65,7 +67,7 @@ from vllm_measured import (  # noqa: E402
     summary,
     worker_cpus,
 )
-from vllm_overhead import OVERHEAD, overhead_summary, repetitions  # noqa: E402
+from vllm_overhead import CONTROL, OVERHEAD, overhead_summary, repetitions  # noqa: E402
 from vllm_rig import (  # noqa: E402,F401 - connector/start_blockd: bench/vllm_multiturn.py
     POOL,
     PREFILL,
@@ -102,10 +104,12 @@ def overhead(work: Path, args: argparse.Namespace, keep: dict[str, Any] | None =
     kept = False
     try:
         logs = stats_env()  # every engine logs the same: the connector's figures come that way
-        engines = start({"alone": (model, None, logs),
-                         "noop": (model, noop_connector(), {**noop_env(), **logs}),
-                         "blockd": (model, connector(work / "tiny-blockd"), logs)},
-                        one_process=args.one_process)
+        specs = {"alone": (model, None, logs),
+                 "noop": (model, noop_connector(), {**noop_env(), **logs}),
+                 "blockd": (model, connector(work / "tiny-blockd"), logs)}
+        if not args.no_control:
+            specs[CONTROL] = (model, noop_connector(), {**noop_env(), **logs})
+        engines = start(specs, one_process=args.one_process)
         busy = worker_cpus([m.engine.proc.pid for m in engines.values()])
         daemon_cpus = keep_off(daemon, busy)
         warm = prompts_of(random.Random("warm-up"), args.requests, args.length)
@@ -123,6 +127,7 @@ def overhead(work: Path, args: argparse.Namespace, keep: dict[str, Any] | None =
     return {
         "model": "the tests' tiny Llama (2 layers, hidden 128, 2 KV heads of 32, vocab 1024)",
         "cpus": {"vllm_workers": sorted(busy), "daemon": daemon_cpus},
+        "engines": list(engines),
         "workload": f"{args.requests} distinct {args.length}-token prompts per call, "
                     f"{args.max_tokens} tokens generated each, one generate call; two passes "
                     f"per repetition in a mirrored order (A B C, then C B A), each pass with "
@@ -247,14 +252,16 @@ def one_line(result: dict[str, Any]) -> str:
         t = s["time_blockd_over_noop"]
         parts.append(f"overhead blockd/noop time {t['median']:.3f} [{t['min']:.3f}, "
                      f"{t['max']:.3f}] (target <= 1.05)")
-        for k in ("noop_over_alone", "blockd_over_alone"):
-            v = s[f"time_{k}"]
-            parts.append(f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
+        for k in ("noop_over_alone", "blockd_over_alone", "noop2_over_noop"):
+            if f"time_{k}" in s:
+                v = s[f"time_{k}"]
+                parts.append(f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]")
         if "blockd_daemon_steps_per_engine_step" in s:
             v = s["blockd_daemon_steps_per_engine_step"]
             parts.append(f"daemon Steps per engine step {v['median']:.2f}")
         parts.append("CPU s per call: engines " + ", ".join(
-            f"{n} {s[f'{n}_engine_cpu_s']['median']:.2f}" for n in OVERHEAD)
+            f"{n} {s[f'{n}_engine_cpu_s']['median']:.2f}" for n in (*OVERHEAD, CONTROL)
+            if f"{n}_engine_cpu_s" in s)
             + f", blockd's daemon {s['blockd_daemon_cpu_s']['median']:.2f}")
         c = s["blockd_connector_stats"]
         if c:
@@ -284,8 +291,9 @@ def one_line(result: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=36,
-                    help="overhead repetitions (6 x the 6 orders; no pause between calls: "
-                         "the engines not measured are stopped)")
+                    help="overhead repetitions (the first pass's order rotates through the "
+                         "engines' 24 permutations, 6 with --no-control; no pause between "
+                         "calls: the engines not measured are stopped)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--length", type=int, default=320)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -297,6 +305,9 @@ def main() -> None:
     ap.add_argument("--model-requests", type=int, default=4)
     ap.add_argument("--model-length", type=int, default=512)
     ap.add_argument("--model-max-tokens", type=int, default=16)
+    ap.add_argument("--no-control", action="store_true",
+                    help="no second no-op engine in the overhead phase (its ratio to the first "
+                         "says how far two identical engines differ in the run)")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vllm_connector.json")
@@ -349,8 +360,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         x = range(len(reps))
         labels = {"blockd_over_noop": "BlockdConnector / no-op connector",
                   "noop_over_alone": "no-op connector / vLLM alone",
-                  "blockd_over_alone": "BlockdConnector / vLLM alone"}
+                  "blockd_over_alone": "BlockdConnector / vLLM alone",
+                  "noop2_over_noop": "second no-op engine / no-op (the same engine twice)"}
         for k, label in labels.items():
+            if k not in reps[0]["time_ratio"]:
+                continue
             a.plot(x, [r["time_ratio"][k] for r in reps], "o-", label=label)
         if "overhead_8_layers" in result:
             big = result["overhead_8_layers"]["repetitions"]

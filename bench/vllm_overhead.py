@@ -1,7 +1,9 @@
 """What one trio of engines (vLLM alone, a do-nothing connector, BlockdConnector) costs on the
-same work, for bench/vllm_connector.py: repetitions in a mirrored order and their summary.
+same work, for bench/vllm_connector.py: repetitions in a mirrored order and their summary; with
+a second do-nothing engine (``CONTROL``) when the caller starts one, whose ratio to the first
+says how far two identical engines differ in the same run.
 
-Each repetition makes two passes over the three engines, the second in the reverse order of the
+Each repetition makes two passes over the engines, the second in the reverse order of the
 first (A B C, then C B A), each pass with its own new prompts, the same for every engine: a
 machine that slows down or speeds up over a repetition weighs on every engine alike, and no
 engine ever sees a prompt twice (BlockdConnector would hit its own first pass). The engines not
@@ -22,21 +24,26 @@ from vllm_measured import Measured, connector_stats, prompts_of, summary
 from vllm_rig import daemon_counter, retired
 
 OVERHEAD = ("alone", "noop", "blockd")
+#: A second do-nothing engine, when the caller starts one: the same engine twice, so the run
+#: shows how far two identical engines' walls differ (the ratios' noise floor).
+CONTROL = "noop2"
 STEPS = "blockd_step_duration_seconds_count"
 
 
 def repetitions(engines: dict[str, Measured], daemon: Any, repeats: int, requests: int,
                 length: int, max_tokens: int, seed: str) -> list[dict[str, Any]]:
     """``repeats`` mirrored repetitions of ``requests`` new ``length``-token prompts per call
-    (``max_tokens`` generated each) on ``engines`` (keys ``OVERHEAD``; ``daemon`` BlockdConnector's
-    blockd), the first pass's order rotating through the six permutations."""
-    orders = list(permutations(OVERHEAD))
+    (``max_tokens`` generated each) on ``engines`` (keys ``OVERHEAD``, and ``CONTROL`` when
+    given; ``daemon`` BlockdConnector's blockd), the first pass's order rotating through the
+    permutations of the engines."""
+    names = tuple(engines)
+    orders = list(permutations(names))
     reps = []
     for rep in range(repeats):
         passes = [prompts_of(random.Random(f"{seed}-{rep}-{p}"), requests, length)
                   for p in range(2)]
         order = orders[rep % len(orders)]
-        calls: dict[str, list[dict[str, Any]]] = {n: [] for n in OVERHEAD}
+        calls: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         for i, name in enumerate((*order, *reversed(order))):
             before = daemon_counter(daemon, STEPS) if name == "blockd" else 0.0
             call = engines[name].call(passes[i // len(order)], max_tokens,
@@ -49,9 +56,9 @@ def repetitions(engines: dict[str, Measured], daemon: Any, repeats: int, request
                 retired(daemon)
             calls[name].append(call)
         rec: dict[str, Any] = {"order": list(order)}
-        rec.update({name: merged(calls[name]) for name in OVERHEAD})
-        tokens = {n: rec[n].pop("tokens") for n in OVERHEAD}
-        rec["same_tokens"] = tokens["noop"] == tokens["alone"] == tokens["blockd"]
+        rec.update({name: merged(calls[name]) for name in names})
+        tokens = {n: rec[n].pop("tokens") for n in names}
+        rec["same_tokens"] = all(t == tokens["alone"] for t in tokens.values())
         b = rec["blockd"]
         if b["engine_steps"]:
             b["daemon_steps_per_engine_step"] = b["daemon_steps"] / b["engine_steps"]
@@ -59,13 +66,15 @@ def repetitions(engines: dict[str, Measured], daemon: Any, repeats: int, request
             "blockd_over_noop": b["wall_s"] / rec["noop"]["wall_s"],
             "noop_over_alone": rec["noop"]["wall_s"] / rec["alone"]["wall_s"],
             "blockd_over_alone": b["wall_s"] / rec["alone"]["wall_s"]}
+        if CONTROL in rec:  # two identical engines: what the other ratios' noise is
+            rec["time_ratio"]["noop2_over_noop"] = rec[CONTROL]["wall_s"] / rec["noop"]["wall_s"]
         rec["tokens_per_s_ratio"] = {
             "blockd_over_noop": b["tokens_per_s"] / rec["noop"]["tokens_per_s"],
             "noop_over_alone": rec["noop"]["tokens_per_s"] / rec["alone"]["tokens_per_s"],
             "blockd_over_alone": b["tokens_per_s"] / rec["alone"]["tokens_per_s"]}
         reps.append(rec)
         print(json.dumps({f"{seed}_rep": rep, "order": rec["order"],
-                          "wall_s": {n: round(rec[n]["wall_s"], 3) for n in OVERHEAD},
+                          "wall_s": {n: round(rec[n]["wall_s"], 3) for n in names},
                           "time_ratio": {k: round(v, 3) for k, v in rec["time_ratio"].items()},
                           "daemon_steps": b["daemon_steps"], "engine_steps": b["engine_steps"],
                           "same_tokens": rec["same_tokens"]}), flush=True)
@@ -98,17 +107,18 @@ def merged(calls: list[dict[str, Any]]) -> dict[str, Any]:
 
 def overhead_summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians with [min, max] over the repetitions."""
+    names = [n for n in (*OVERHEAD, CONTROL) if n in reps[0]]
     return {
-        **{f"{n}_wall_s": summary([r[n]["wall_s"] for r in reps]) for n in OVERHEAD},
+        **{f"{n}_wall_s": summary([r[n]["wall_s"] for r in reps]) for n in names},
         **{f"{n}_tokens_per_s": summary([r[n]["tokens_per_s"] for r in reps])
-           for n in OVERHEAD},
+           for n in names},
         **{f"time_{k}": summary([r["time_ratio"][k] for r in reps])
            for k in reps[0]["time_ratio"]},
         **{f"tokens_per_s_{k}": summary([r["tokens_per_s_ratio"][k] for r in reps])
            for k in reps[0]["tokens_per_s_ratio"]},
         "blockd_daemon_steps": summary([r["blockd"]["daemon_steps"] for r in reps]),
         **{f"{n}_engine_cpu_s": summary([r[n]["engine_cpu_s"] for r in reps])
-           for n in OVERHEAD},
+           for n in names},
         "blockd_daemon_cpu_s": summary([r["blockd"]["daemon_cpu_s"] for r in reps]),
         "blockd_cached_tokens": sum(r["blockd"]["cached_tokens"] for r in reps),
         "all_tokens_equal": all(r["same_tokens"] for r in reps),

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # four engine start-ups (one process each) beside other workers
+@pytest.mark.timeout(1500)  # five engine start-ups (one process each) beside other workers
 def test_vllm_connector_bench_measures_real_runs(tmp_path: Path) -> None:
     need_vllm()
     out = tmp_path / "vllm_connector.json"
@@ -41,9 +41,10 @@ def test_vllm_connector_bench_measures_real_runs(tmp_path: Path) -> None:
     ov = r["overhead"]
     assert len(ov["repetitions"]) == 1
     for rep in ov["repetitions"]:
-        assert sorted(rep["order"]) == ["alone", "blockd", "noop"]
+        # The fourth engine: a second no-op one, the run's noise floor (noop2 / noop).
+        assert sorted(rep["order"]) == ["alone", "blockd", "noop", "noop2"]
         assert rep["same_tokens"] is True
-        for name in ("alone", "noop", "blockd"):
+        for name in ("alone", "noop", "noop2", "blockd"):
             # Two passes (mirrored order), each of 4 new prompts: 2 calls per engine.
             calls = rep[name]["calls_wall_s"]
             assert len(calls) == 2 and all(w > 0 for w in calls)
@@ -56,17 +57,22 @@ def test_vllm_connector_bench_measures_real_runs(tmp_path: Path) -> None:
             assert rep[name]["engine_steps"] >= 4  # one prefill step and a step per token
             assert rep[name]["engine_cpu_s"] > 0  # its processes ran the call
         assert rep["blockd"]["daemon_cpu_s"] >= 0 and "daemon_cpu_s" not in rep["noop"]
+        assert "daemon_cpu_s" not in rep["noop2"]
         # The connector talked to its daemon; the no-op one has no daemon at all.
         assert rep["blockd"]["daemon_steps"] >= 1, rep["blockd"]["connector_counters"]
         assert rep["time_ratio"]["blockd_over_noop"] == pytest.approx(
             rep["blockd"]["wall_s"] / rep["noop"]["wall_s"])
         assert rep["time_ratio"]["noop_over_alone"] == pytest.approx(
             rep["noop"]["wall_s"] / rep["alone"]["wall_s"])
+        assert rep["time_ratio"]["noop2_over_noop"] == pytest.approx(
+            rep["noop2"]["wall_s"] / rep["noop"]["wall_s"])
     # The daemon runs off the CPUs vLLM's worker is bound to (when there are others).
     cpus = ov["cpus"]
     assert cpus["daemon"] and (not set(cpus["daemon"]) & set(cpus["vllm_workers"])
                                or set(cpus["daemon"]) == set(range(os.cpu_count() or 1)))
     assert ov["summary"]["all_tokens_equal"] is True
+    assert ov["engines"] == ["alone", "noop", "blockd", "noop2"]
+    assert "time_noop2_over_noop" in ov["summary"] and "noop2_wall_s" in ov["summary"]
     stats = ov["summary"]["blockd_connector_stats"]  # None when the connector reports none
     if stats is not None:
         assert stats["schedules"] > 0 and stats["blockd_steps"] > 0
