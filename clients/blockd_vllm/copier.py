@@ -43,8 +43,10 @@ def spare_cpus(ranks: int = 1) -> set[int]:
     """The CPUs for a worker's copy thread, from the calling thread's binding (vLLM binds a CPU
     worker's threads to its cores), ``VLLM_CPU_OMP_THREADS_BIND`` and the cgroup's CPUs
     (``spare``)."""
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
     try:
-        allowed = set(_cpu_list(_cgroup_cpus()))
+        allowed = set(parse_id_list(_cgroup_cpus()))
     except (OSError, ValueError):
         allowed = set(range(os.cpu_count() or 1))
     return spare(os.sched_getaffinity(0), os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
@@ -53,16 +55,18 @@ def spare_cpus(ranks: int = 1) -> set[int]:
 
 def spare(own: set[int], binding: str, allowed: set[int], ranks: int) -> set[int]:
     """The CPUs of ``allowed`` no worker of the engine is bound to: the worker's ``own`` and
-    every rank's cores of an explicit ``binding`` (``"0-3|4-7"``) taken out. ``own`` when that
-    leaves none, or when ``ranks`` > 1 workers were bound automatically (the other ranks' cores
-    are not known here)."""
+    every rank's cores of an explicit ``binding`` (``"0-3|4-7"``, read with vLLM's own parser)
+    taken out. ``own`` when that leaves none, or when ``ranks`` > 1 workers were bound
+    automatically (the other ranks' cores are not known here)."""
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
     bound = set(own)
     if binding in ("auto", "nobind", "all"):
         if ranks > 1:
             return set(own)
     else:
         try:
-            bound |= set(_cpu_list(binding.replace("|", ",")))
+            bound |= set(parse_id_list(binding.replace("|", ",")))
         except ValueError:
             return set(own)
     return (allowed - bound) or set(own)
@@ -79,15 +83,6 @@ def _cgroup_cpus() -> str:
         if text:
             return text
     return f"0-{(os.cpu_count() or 1) - 1}"
-
-
-def _cpu_list(text: str) -> list[int]:
-    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]``."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
 
 
 def _name_thread(name: str) -> None:
@@ -111,8 +106,7 @@ class Copier:
         self._released = 0
         self._stop = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="blockd-vllm-copies",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     @property
