@@ -11,7 +11,8 @@ and applies its answer under this side's lock; the hooks only read and write pla
    step); the admits of one ``schedule()`` go out in one Step after it (``blockd_vllm.admits``).
    The next ask returns the answer (None again while the Step is in flight; an idle engine's
    ask waits up to ``IDLE_WAIT_S`` for it first, so it does not spin through empty steps, and
-   a request whose admit left on arrival runs in the first step): blockd's verified
+   a request whose admit left on arrival runs in the first step; ``blockd_vllm.asking``, the
+   asks): blockd's verified
    cached prefix (``num_cached_tokens``, full blocks only, never the last prompt token), *whose
    blocks it holds references to*, so nothing can evict them between this answer and the load;
    the rest of the prompt gets fresh blocks to save into. The external hit is what blockd holds
@@ -58,7 +59,8 @@ from typing import Any
 
 from blockd.api.v1 import blockd_pb2 as pb
 from blockd_client import requests as rq
-from blockd_vllm.admits import Admits, Pending
+from blockd_vllm.admits import Admits
+from blockd_vllm.asking import Asks, hook
 from blockd_vllm.copies import Copies, Growth
 from blockd_vllm.layout import KvShape
 from blockd_vllm.link import Link
@@ -82,26 +84,7 @@ def _cpu_workers() -> bool:
     return bool(current_platform.is_cpu())
 
 
-#: The longest an idle engine's ask waits for an admit's answer before vLLM steps again.
-IDLE_WAIT_S = 0.05
-
-
-def hook(method: Any) -> Any:
-    """A hook vLLM's scheduler thread calls: run under the side's lock, its time counted (an
-    idle engine's wait for an answer apart: ``idle_wait_ns``)."""
-    def run(self: SchedulerSide, *args: Any) -> Any:
-        t0, waited = time.perf_counter_ns(), self.counters["idle_wait_ns"]
-        try:
-            with self._lock:
-                return method(self, *args)
-        finally:
-            self.counters["scheduler_ns"] += (time.perf_counter_ns() - t0
-                                              - (self.counters["idle_wait_ns"] - waited))
-    run.__doc__ = method.__doc__
-    return run
-
-
-class SchedulerSide(LinkEvents):
+class SchedulerSide(Asks, LinkEvents):
     def __init__(self, vllm_config: Any, settings: Settings, shape: KvShape,
                  block_ids_of: Any = None) -> None:
         self.settings = settings
@@ -182,116 +165,6 @@ class SchedulerSide(LinkEvents):
             counter.completed = max(counter.completed, self.steps.announced)
 
     # -- the scheduler interface ---------------------------------------------------------------
-
-    def eligible(self, request: Any) -> bool:
-        """Whether a request's K/V is fully determined by its token ids (no images, no prompt
-        embeddings) and it has a full block to share."""
-        tokens = getattr(request, "prompt_token_ids", None)
-        if tokens is None or getattr(request, "prompt_embeds", None) is not None:
-            return False
-        if getattr(request, "mm_features", None):
-            return False
-        return len(tokens) > self.B
-
-    @hook
-    def num_new_matched_tokens(self, request: Any, num_computed: int
-                               ) -> tuple[int | None, bool]:
-        """vLLM's ``(external hit, load asynchronously)``: ``(None, False)`` while blockd has
-        not answered the request's admit (vLLM skips the request this step and asks again);
-        ``(n, True)`` while blockd fetches its prefix from the remote tier
-        (``blockd_vllm.remote_loads``)."""
-        rid = request.request_id
-        again = self.remote.asked_again(rid, num_computed)
-        if again is not None:
-            return again, True
-        plan = self.plans.get(rid)
-        if plan is not None and plan.abandoned:
-            # Asked again, so not scheduled since: nothing was loaded; start over.
-            self.plans.pop(rid)
-            if plan.epoch == self.session.epoch:
-                self.to_release.append(plan.seq_id)
-            plan = None
-        if plan is None:
-            if not self.eligible(request):
-                return 0, False
-            if self.degraded and rid not in self.admits.in_flight:
-                self.admits.finished(rid)  # a pending answer of it is let go
-                return 0, False
-            idle = not self._running
-            arrived = rid in self.admits.queued  # on arrival (``new_request``), not sent yet
-            answer = self.admits.ask(request, None if idle else self.settings.admit_wait_s)
-            if answer is None and idle and arrived:
-                self._send_admits()  # with those that arrived with it, in one Step
-            if answer is None and idle and rid in self.admits.in_flight:
-                answer = self._await_answer(request)
-            if answer is None:
-                pending = self.admits.pending(rid)
-                if pending is not None:
-                    n = self.remote.promise(request, pending, num_computed)
-                    if n is not None:
-                        return n, True
-                    self.admits.again(request, wait=False)  # nothing to wait for
-                return None, False
-            if not isinstance(answer, Plan):
-                return answer, False  # compute everything
-            plan = self.plans[rid] = answer
-        plan.local_tokens = num_computed
-        return max(0, plan.hit_tokens - num_computed), False
-
-    @hook
-    def new_request(self, request: Any) -> None:
-        """vLLM added ``request`` (``on_new_request``: before a ``schedule()`` asks about it).
-        When nothing else is owed to blockd (no Step in flight, no commit or release waiting,
-        every copy reported), its admit leaves at once: on an idle engine the first request's
-        answer is back about when ``schedule()`` asks for it, instead of an empty step later.
-        Otherwise it only queues, and goes with the Step of the next ``schedule()``, behind
-        what an idle engine's finished requests still owe (their commits: the next turn of a
-        conversation must hit the previous one). Requests arriving together at an idle engine:
-        the first leaves at once, the others queue behind it; ``schedule()``'s first ask of
-        one of them sends them all in one Step and waits for it, so they all run in the
-        engine's first step rather than a step after the first request."""
-        rid = request.request_id
-        if (not self.eligible(request) or self.degraded or rid in self.plans
-                or rid in self.admits.in_flight):
-            return
-        self.admits.queue(request)
-        self._send_admits()
-
-    def _send_admits(self) -> None:
-        """Send the queued admits in one Step now, when nothing else is owed to blockd."""
-        if (self.admits.queued and not self.steps.outbox.busy and not self.dirty
-                and not self.to_release and self._idle() and not finishing(self.plans)):
-            rids, admits = self.admits.take()
-            self._send(admits, [], [], rids, len(admits))
-
-    def _await_answer(self, request: Any) -> Plan | int | None:
-        """An idle engine waits for the answer of a new request's admit in flight
-        (``_idle_wait``), so the request can run in this very step."""
-        rid = request.request_id
-        self._idle_wait(lambda: rid not in self.admits.in_flight)
-        return self.admits.ask(request)
-
-    def _idle_wait(self, done: Any) -> None:
-        """Wait (``IDLE_WAIT_S`` at most) until ``done()`` or blockd stops answering. Only when
-        the engine has nothing to run: vLLM would otherwise step again at once, through the
-        engine core and every worker, as fast as they go (an empty step still runs the
-        connector's hooks), taking the CPU the daemon needs to answer what the engine waits
-        for."""
-        self.counters["idle_wait_ns"] += self.steps.outbox.wait_applied(
-            lambda: done() or self.degraded, IDLE_WAIT_S)
-
-    def _adopt(self, rid: str, plan: Plan) -> None:
-        """The answer of an admit its request stopped waiting for (``admit_wait_s``): vLLM
-        computes the whole prompt, so the plan loads nothing (its hit is computed too) and
-        saves the rest, from vLLM's blocks, from the next step that runs the request."""
-        plan.hit_tokens = 0
-        self.plans[rid] = plan
-        self.counters["late_plans"] += 1
-
-    def _release_unused(self, plan: Plan) -> None:
-        """An admitted plan no request took (it ended first, or blockd went away)."""
-        if plan.epoch == self.session.epoch:
-            self.to_release.append(plan.seq_id)
 
     @hook
     def after_alloc(self, request: Any, vllm_blocks: list[int], num_external: int) -> None:
@@ -408,36 +281,6 @@ class SchedulerSide(LinkEvents):
                 for request, blocks in pending:
                     self._promise(request, blocks)
         self.steps.send(ops, then)
-
-    def _hit_only(self, request: Any) -> None:
-        """No room for the whole prompt: pin just the cached prefix (loads, no saves)."""
-        tokens = list(request.prompt_token_ids)
-        ns = self.namespace.for_request(request)
-        rid = request.request_id
-
-        def call() -> Any:
-            hit = self.link.call(self.session.lookup, ns, tokens)
-            return self.steps.call([rq.admit(tokens[:hit + 1], ns, rid)]) if hit else None
-
-        def then(res: Any) -> None:
-            outcome = self.steps.applied(res)[0] if res is not None else None
-            result = outcome.results[0] if outcome is not None else None
-            self.admits.settle(rid, self.admits.hit_only(request, result, self.session))
-
-        self.steps.outbox.put(call, then)
-
-    def _promise(self, request: Any, blocks: int) -> None:
-        """blockd fetches ``blocks`` blocks after its local hit: the tokens it expects to hold
-        (asked off the scheduler thread: a Lookup of the local hit)."""
-        tokens = list(request.prompt_token_ids)
-        ns = self.namespace.for_request(request)
-        full = (len(tokens) - 1) // self.B * self.B
-
-        def then(hit: Any) -> None:
-            promised = min(full, int(hit or 0) + blocks * self.B)
-            self.admits.settle(request.request_id, Pending(promised))
-
-        self.steps.outbox.put(lambda: self.link.call(self.session.lookup, ns, tokens), then)
 
     @hook
     def saves_reported(self, report: Any) -> None:

@@ -61,7 +61,7 @@ class Settings:
     #: prompt is still saved once the answer comes. A slow answer costs that request its hit,
     #: never a split batch. 0: at most one step. An idle engine keeps waiting for the answer
     #: (nothing else is held back), each ask blocking up to 0.05 s for it rather than spinning
-    #: through empty steps (``blockd_vllm.scheduler.IDLE_WAIT_S``).
+    #: through empty steps (``blockd_vllm.asking.IDLE_WAIT_S``).
     admit_wait_s: float = 0.02
 
     @classmethod

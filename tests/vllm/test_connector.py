@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from blockd_vllm.scheduler import IDLE_WAIT_S
+from blockd_vllm.asking import IDLE_WAIT_S
 from vllm_support import (
     Engine,
     Prestarted,
