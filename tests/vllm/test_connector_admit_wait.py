@@ -15,8 +15,8 @@ import signal
 import time
 from pathlib import Path
 
+from connector_driver import Blocks, ask, kv_blocks, request, run_worker, step, wait_live
 from test_connector_faults import _connector
-from test_connector_protocol import Blocks, _blocks, ask, request, run_worker, step, wait_live
 from vllm_support import connector_config, start_daemon
 
 WAIT_S = 0.05
@@ -45,7 +45,7 @@ def test_a_late_answer_never_holds_a_request_back_and_its_prompt_is_still_saved(
     try:
         # Another request runs (its prefill step): the engine is busy from now on.
         assert ask(sched, busy) == (0, False)
-        sched.update_state_after_alloc(busy, _blocks(vblocks["busy"]), 0)
+        sched.update_state_after_alloc(busy, kv_blocks(vblocks["busy"]), 0)
         sched.update_connector_output(run_worker(worker, sched.build_connector_meta(
             step([(busy, vblocks["busy"], 0, 100)]))))
         # Two new requests asked; the Step carrying their admits meets a frozen daemon.
@@ -62,7 +62,7 @@ def test_a_late_answer_never_holds_a_request_back_and_its_prompt_is_still_saved(
             assert sched.get_num_new_matched_tokens(gone, 0) == (0, False)
             assert time.monotonic() - t0 < 1.0  # answered at once, the daemon still frozen
             assert counters["admit_wait_expired"] == 2
-            sched.update_state_after_alloc(late, _blocks(vblocks["late"]), 0)
+            sched.update_state_after_alloc(late, kv_blocks(vblocks["late"]), 0)
             # "late" is computed in this step, beside "busy": nothing to save yet (no plan).
             meta = sched.build_connector_meta(step([(late, vblocks["late"], 0, 100),
                                                     (busy, vblocks["busy"], 101, 1)]))

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from test_connector_protocol import request, roles, run_worker, step
+from connector_driver import request, roles, run_worker, step
 from vllm_support import start_daemon
 
 

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from test_connector_protocol import _blocks, ask, request, roles, run_worker, step
+from connector_driver import ask, kv_blocks, request, roles, run_worker, step
 from vllm_support import start_daemon, stats
 
 PROMPT = list(range(1, 101))  # 3 full blocks + 4 tokens
@@ -23,7 +23,7 @@ def _saving(sched, worker):  # type: ignore[no-untyped-def]
     (returns the gate that lets them run)."""
     r0 = request("r0", PROMPT)
     assert ask(sched, r0) == (0, False)
-    sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+    sched.update_state_after_alloc(r0, kv_blocks([0, 1, 2, 3]), 0)
     meta = sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)]))
     assert meta.save_vllm == [0, 1, 2] and not meta.drain
     gate = threading.Event()

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from connector_driver import Blocks, ask, kv_blocks, request, run_worker, step
 from test_connector_faults import _connector
-from test_connector_protocol import Blocks, _blocks, ask, request, run_worker, step
 from vllm_support import connector_config, start_daemon
 
 
@@ -39,7 +39,7 @@ def test_a_busy_engines_commits_wait_for_a_step_that_carries_them_and_none_is_lo
     try:
         r0 = request("r0", prompt)
         assert ask(sched, r0) == (0, False)
-        sched.update_state_after_alloc(r0, _blocks(vblocks["r0"]), 0)
+        sched.update_state_after_alloc(r0, kv_blocks(vblocks["r0"]), 0)
         sched.update_connector_output(run_worker(worker, sched.build_connector_meta(
             step([(r0, vblocks["r0"], 0, 100), busy]))))  # r0's prompt saved and reported
         sched.request_finished(r0, vblocks["r0"])  # to commit, then release

@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from connector_driver import request, step
 from test_connector_faults import _connector
-from test_connector_protocol import request, step
 from vllm_support import HERE, connector_config, start_daemon, stats
 
 sys.path.insert(0, str(HERE.parent / "server"))

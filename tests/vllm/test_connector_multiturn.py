@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from connector_driver import Blocks, ask, kv_blocks, request, run_worker, step
 from test_connector_faults import _connector
-from test_connector_protocol import Blocks, _blocks, ask, request, run_worker, step
 from vllm_support import (
     Engine,
     Prestarted,
@@ -57,7 +57,7 @@ def converse(sched, worker, req, vblocks: list[int], total: int,  # type: ignore
     keeps its blocks for a save still to come, reported in ``finished_sending``). Returns each
     step's saved vLLM blocks, the step after the end included."""
     n = len(req.prompt_token_ids)
-    sched.update_state_after_alloc(req, _blocks(vblocks), 0)
+    sched.update_state_after_alloc(req, kv_blocks(vblocks), 0)
     saved = []
     meta = sched.build_connector_meta(step([(req, vblocks, 0, n)]))
     saved.append(list(meta.save_vllm))
@@ -121,7 +121,7 @@ def test_generated_blocks_are_saved_in_the_step_after_their_append(
             nxt = request(f"next-{prev.request_id}", list(prev.all_token_ids) + [7] * 20)
             hit = hit_on if save_generated else hit_off
             assert ask(sched, nxt) == (hit, False)
-            sched.update_state_after_alloc(nxt, _blocks(vblocks["next"]), hit)
+            sched.update_state_after_alloc(nxt, kv_blocks(vblocks["next"]), hit)
             meta = sched.build_connector_meta(step([(nxt, vblocks["next"], hit, 20)]))
             assert meta.load_vllm == vblocks["next"][:hit // B]
             for t in kv.caches.values():
@@ -158,7 +158,7 @@ def test_blocks_completed_while_an_append_is_in_flight_are_saved_after_the_end(
     try:
         req = request("slow", list(range(1, 81)))
         assert ask(sched, req) == (0, False)
-        sched.update_state_after_alloc(req, _blocks(vblocks), 0)
+        sched.update_state_after_alloc(req, kv_blocks(vblocks), 0)
         meta = sched.build_connector_meta(step([(req, vblocks, 0, 80)]))
         assert sched.scheduler.settle()
         sched.update_connector_output(run_worker(worker, meta))

@@ -13,94 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from connector_driver import (
+    Blocks,
+    ask,
+    kv_blocks,
+    request,
+    roles,
+    run_worker,
+    step,
+    wait_live,
+)
 from test_connector_faults import _connector  # vLLM's own factory builds both roles
 from vllm_support import connector_config, start_daemon, stats
-
-B = 32
-
-
-def request(rid: str, tokens: list[int], **kw: object):  # type: ignore[no-untyped-def]
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    return Request(rid, tokens, SamplingParams(max_tokens=4), None, **kw)
-
-
-def step(scheduled: list[tuple[object, list[int], int, int]]):  # type: ignore[no-untyped-def]
-    """A SchedulerOutput of new requests: (request, its vLLM blocks, computed, scheduled)."""
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-
-    new = [NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                          mm_features=[], sampling_params=None, pooling_params=None,
-                          block_ids=(blocks,), num_computed_tokens=c, lora_request=None)
-           for r, blocks, c, _ in scheduled]
-    cached = CachedRequestData(req_ids=[], resumed_req_ids=set(), new_token_ids=[],
-                               all_token_ids={}, new_block_ids=[], num_computed_tokens=[],
-                               num_output_tokens=[])
-    n = {r.request_id: s for r, _, _, s in scheduled}
-    return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                           num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()),
-                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                           finished_req_ids=set(), free_encoder_mm_hashes=[])
-
-
-class Blocks:
-    """vLLM's KV cache of the tiny model on the CPU backend: per layer [blocks, H, B, 2D]."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(3)
-        self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(16, 2, B, 64, generator=g)
-                       for i in range(2)}
-
-    def same(self, a: int, b: int) -> bool:
-        return all(torch.equal(t[a], t[b]) for t in self.caches.values())
-
-
-def roles(d, model_dir: Path):  # type: ignore[no-untyped-def]
-    """Both roles as acme's "alice" on ``d``; every request's vLLM blocks are 0-3."""
-    extra = connector_config(d, "acme", "alice")["kv_connector_extra_config"]
-    sched = _connector(model_dir, extra, "SCHEDULER")
-    worker = _connector(model_dir, extra, "WORKER")
-    worker.register_kv_caches(Blocks().caches)
-    sched.scheduler.block_ids_of = lambda rid: ([0, 1, 2, 3],)
-    return sched, worker
-
-
-def ask(sched, r, computed: int = 0) -> tuple[int | None, bool]:  # type: ignore[no-untyped-def]
-    """``get_num_new_matched_tokens`` as vLLM's scheduler asks it: the first ask of an eligible
-    request answers None (its admit is queued); the admit leaves with that ``schedule()``'s
-    metadata (an empty step here), off the scheduler thread; the next ask returns the answer."""
-    first = sched.get_num_new_matched_tokens(r, computed)
-    if first[0] is not None:
-        return first  # not eligible, or degraded: answered at once
-    sched.build_connector_meta(step([]))
-    assert sched.scheduler.settle()
-    return sched.get_num_new_matched_tokens(r, computed)
-
-
-def run_worker(worker, meta, copied: bool = True) -> object:  # type: ignore[no-untyped-def]
-    """What the model runner does with a step's metadata; returns the KVConnectorOutput.
-    ``copied``: wait for the step's saves on the worker's copy thread before the step ends."""
-    from vllm.v1.outputs import KVConnectorOutput
-
-    worker.handle_preemptions(meta)
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
-    for name in worker.worker.views:
-        worker.wait_for_layer_load(name)
-    worker.wait_for_save()
-    if copied:
-        # The saves run on the worker's copy thread (CPU tensors) and are reported once they
-        # ran: in vLLM a step or two later; the driver waits, so each step reports its own.
-        worker.worker.drain()
-    sending, recving = worker.get_finished(set())
-    out = KVConnectorOutput(finished_sending=sending or set(), finished_recving=recving or set(),
-                            kv_connector_worker_meta=worker.build_connector_worker_meta(),
-                            invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                            kv_connector_stats=worker.get_kv_connector_stats())
-    worker.clear_connector_metadata()
-    return out
 
 
 def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_dir: Path
@@ -118,7 +42,7 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
         assert ask(sched, r0) == (0, False)
         vblocks = {"r0": [0, 1, 2, 3], "r1": [4, 5, 6, 7]}
         sched.scheduler.block_ids_of = lambda rid: (vblocks[rid],)
-        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        sched.update_state_after_alloc(r0, kv_blocks([0, 1, 2, 3]), 0)
         out = run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
         sched.update_connector_output(out)
         # The worker's figures as vLLM's own stats logger reads them (aggregate, reduce, log).
@@ -140,7 +64,7 @@ def test_promised_loads_run_when_blockd_dies_mid_schedule(tmp_path: Path, model_
         r2 = request("r2", [9] * 80)
         # Its admit is queued (or, had the heartbeat thread seen blockd die first, computed).
         assert sched.get_num_new_matched_tokens(r2, 0) in ((None, False), (0, False))
-        sched.update_state_after_alloc(r1, _blocks(vblocks["r1"]), 96)
+        sched.update_state_after_alloc(r1, kv_blocks(vblocks["r1"]), 96)
         meta = sched.build_connector_meta(step([(r1, vblocks["r1"], 96, 10)]))
         assert sched.scheduler.settle()  # the Step with r2's admit found blockd gone
         assert sched.scheduler.degraded
@@ -214,18 +138,6 @@ def test_one_schedule_sends_its_admits_in_one_step_and_never_waits(tmp_path: Pat
         d.stop()
 
 
-def wait_live(d, n: int) -> bool:  # type: ignore[no-untyped-def]
-    """Whether the daemon holds ``n`` live sequences within a few seconds."""
-    from vllm_support import stats
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if stats(d).num_sequences == n:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, model_dir: Path
                                                              ) -> None:
     """acme may hold 4 blocks: a 3-block prompt is saved; a 6-block prompt sharing its first 2
@@ -243,7 +155,7 @@ def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, mod
         prefix = list(range(1, 65))
         r0 = request("r0", prefix + [5] * 6)  # 2 full blocks + 6 tokens
         assert ask(sched, r0) == (0, False)
-        sched.update_state_after_alloc(r0, _blocks(vblocks["r0"]), 0)
+        sched.update_state_after_alloc(r0, kv_blocks(vblocks["r0"]), 0)
         out = run_worker(worker, sched.build_connector_meta(step([(r0, vblocks["r0"], 0, 70)])))
         sched.update_connector_output(out)
         sched.request_finished(r0, vblocks["r0"])
@@ -252,7 +164,7 @@ def test_out_of_blocks_pins_and_loads_only_the_cached_prefix(tmp_path: Path, mod
         r1 = request("r1", prefix + [6] * 120)  # 5 full blocks + 24 tokens: over the quota
         assert ask(sched, r1) == (64, False)
         assert sched.scheduler.counters["admit_no_room"] == 1
-        sched.update_state_after_alloc(r1, _blocks(vblocks["r1"]), 64)
+        sched.update_state_after_alloc(r1, kv_blocks(vblocks["r1"]), 64)
         meta = sched.build_connector_meta(step([(r1, vblocks["r1"], 64, 120)]))
         assert meta.load_vllm == [3, 4] and meta.save_vllm == []
         for t in kv.caches.values():
@@ -285,7 +197,7 @@ def test_lora_and_salt_decide_sharing(tmp_path: Path, model_dir: Path) -> None:
     def hit(**kw: object) -> int:
         r = request(f"r{next(n)}", prompt, **kw)
         got, _ = ask(sched, r)
-        sched.update_state_after_alloc(r, _blocks([0, 1, 2, 3]), got)
+        sched.update_state_after_alloc(r, kv_blocks([0, 1, 2, 3]), got)
         out = run_worker(worker, sched.build_connector_meta(step([(r, [0, 1, 2, 3], got,
                                                                   100 - got)])))
         sched.update_connector_output(out)
@@ -329,7 +241,7 @@ def test_a_failed_save_is_never_committed_and_the_other_steps_are(tmp_path: Path
         for rid, prompt in (("good", good), ("bad", bad)):
             r = request(rid, prompt)
             assert ask(sched, r) == (0, False)
-            sched.update_state_after_alloc(r, _blocks(vblocks[rid]), 0)
+            sched.update_state_after_alloc(r, kv_blocks(vblocks[rid]), 0)
             outs[rid] = run_worker(worker, sched.build_connector_meta(
                 step([(r, vblocks[rid], 0, 100)])))
             sched.update_connector_output(outs[rid])
@@ -362,7 +274,7 @@ def test_a_reaped_session_reattaches_and_the_admits_that_found_out_go_again(
     try:
         r0 = request("r0", prompt)
         assert ask(sched, r0) == (0, False)
-        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        sched.update_state_after_alloc(r0, kv_blocks([0, 1, 2, 3]), 0)
         out = run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
         sched.update_connector_output(out)
         sched.request_finished(r0, [0, 1, 2, 3])
@@ -405,7 +317,7 @@ def test_a_clean_worker_shutdown_applies_the_last_commit_before_detaching(
     try:
         r0 = request("r0", prompt)
         assert ask(sched, r0) == (0, False)
-        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        sched.update_state_after_alloc(r0, kv_blocks([0, 1, 2, 3]), 0)
         out = run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
         link = sched.scheduler.link
         link._stop.set()  # no heartbeat: nothing reports the commit's fence
@@ -437,7 +349,7 @@ def test_the_scheduler_side_never_reattaches_a_session_its_worker_detached(
     try:
         r0 = request("r0", list(range(1, 101)))
         assert ask(sched, r0) == (0, False)
-        sched.update_state_after_alloc(r0, _blocks([0, 1, 2, 3]), 0)
+        sched.update_state_after_alloc(r0, kv_blocks([0, 1, 2, 3]), 0)
         run_worker(worker, sched.build_connector_meta(step([(r0, [0, 1, 2, 3], 0, 100)])))
         assert stats(d).num_sessions == 1
         worker.shutdown()  # the worker detaches the session
@@ -459,14 +371,6 @@ def test_the_scheduler_side_never_reattaches_a_session_its_worker_detached(
         sched.shutdown()
         d.stop()
     assert stats_now["degraded_episodes"] == 0
-
-
-def _blocks(ids: list[int]):  # type: ignore[no-untyped-def]
-    """vLLM's KVCacheBlocks of one group, from its own classes."""
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
 
 
 @pytest.fixture(autouse=True)

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from connector_driver import Blocks, ask, kv_blocks, request, run_worker, step
 from test_connector_faults import _connector
-from test_connector_protocol import Blocks, _blocks, ask, request, run_worker, step
 from test_connector_tiers import in_batches, prompts
 from vllm_support import (
     Engine,
@@ -134,7 +134,7 @@ def compute_on_a(sched, worker, prompt: list[int], rid: str, vblocks: list[int] 
     r = request(rid, prompt)
     assert ask(sched, r) == (0, False)
     sched.scheduler.block_ids_of = lambda _: (vblocks,)
-    sched.update_state_after_alloc(r, _blocks(vblocks), 0)
+    sched.update_state_after_alloc(r, kv_blocks(vblocks), 0)
     sched.update_connector_output(run_worker(worker, sched.build_connector_meta(
         step([(r, vblocks, 0, len(prompt))]))))
     sched.request_finished(r, vblocks)
@@ -155,7 +155,7 @@ def wait_in_remote_kvs(sched, worker, r, vblocks: list[int]):  # type: ignore[no
         got = sched.get_num_new_matched_tokens(r, 0)
     n, load_async = got
     assert load_async, got
-    sched.update_state_after_alloc(r, _blocks(vblocks), n)
+    sched.update_state_after_alloc(r, kv_blocks(vblocks), n)
     while time.monotonic() < deadline:  # WAITING_FOR_REMOTE_KVS: vLLM schedules other work
         meta = sched.build_connector_meta(step([]))
         out = run_worker(worker, meta)
