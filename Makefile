@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) bench/core_replay.py
 	$(PY) bench/seeds_numbers.py
 	$(PY) bench/grpc_step.py
+	$(PY) bench/daemon_call_cost.py
 	$(PY) bench/step_off_thread.py
 	$(PY) bench/tracing_overhead.py
 	$(PY) bench/journal_overhead.py
