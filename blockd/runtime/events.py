@@ -2,12 +2,15 @@
 see what of them.
 
 The core hands ``on_core_event`` its typed events (``blockd.core.events``) synchronously, on the
-event loop. Each becomes one ``Event`` record, numbered here: the one record both gRPC
+event loop. Each is numbered here and kept as it came (the core's record holds everything an
+``Event`` needs, and never changes); it becomes an ``Event``, the one record both gRPC
 WatchEvents (``blockd.runtime.convert.watch_event``) and the ZMQ KV-event publisher
-(``blockd.runtime.kv_events``) convert from. WatchEvents streams read from a bounded replay
-buffer, so a slow watcher can never make the daemon hold unbounded memory: it gets OUT_OF_RANGE
-and resubscribes. Listeners (the ZMQ publisher) are handed each ``Event`` as it is appended; a
-listener must be O(1) and must not block.
+(``blockd.runtime.kv_events``) convert from, when something reads it: a daemon nobody watches
+numbers and keeps its events (one per block the index gains or loses, the daemon's hottest
+path) without building any. WatchEvents streams read from a bounded replay buffer, so a slow
+watcher can never make the daemon hold unbounded memory: it gets OUT_OF_RANGE and resubscribes.
+Listeners (the ZMQ publisher) are handed each ``Event`` as it is appended; a listener must be
+O(1) and must not block.
 
 What a reader sees is decided here, once, by its ``Audience`` (docs/kv_events.md, "Who sees
 what"): every reader gets events through ``Audience.view``, never the records themselves.
@@ -117,7 +120,8 @@ class EventLog:
 
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
-        self.events: deque[Event] = deque(maxlen=capacity)
+        #: ``(sequence number, the core's record)``, oldest first (``record``).
+        self.events: deque[tuple[int, CoreEvent]] = deque(maxlen=capacity)
         self.next_seq = 1
         self._changed = asyncio.Event()
         #: Called with each appended event's view (after it has its sequence number).
@@ -153,44 +157,48 @@ class EventLog:
         return Audience(every_domain, frozenset(self.tenant_label(d) for d in domains))
 
     def on_core_event(self, ev: CoreEvent) -> None:
-        """The BlockManager's event sink."""
-        if isinstance(ev, BlockStored):
-            tenant = self.tenant_label(ev.sharing_domain)
-            self._append(Event(0, STORED, (ev.key,), ev.parent_key, token_bytes=ev.token_bytes,
-                               lora_id=ev.lora_id, namespace=ev.namespace_label, tenant=tenant,
-                               tier=ev.tier))
-        elif isinstance(ev, BlockRemoved):
-            self._append(Event(0, REMOVED, (ev.key,), namespace=ev.namespace_label,
-                               tenant=self.tenant_label(ev.sharing_domain), tier=ev.tier))
-        elif isinstance(ev, AllBlocksCleared):
-            self._append(Event(0, CLEARED))
-        else:  # pragma: no cover - CoreEvent has no other members
-            log.warning("unknown core event %r not logged", ev)
-
-    def _append(self, ev: Event) -> None:
-        object.__setattr__(ev, "seq", self.next_seq)
+        """The BlockManager's event sink: number and keep ``ev``."""
+        if not isinstance(ev, BlockStored | BlockRemoved | AllBlocksCleared):
+            log.warning("unknown core event %r not logged", ev)  # pragma: no cover
+            return
+        seq = self.next_seq
         self.next_seq += 1
-        self.events.append(ev)
+        self.events.append((seq, ev))
         self._changed.set()
+        if not self._listeners:
+            return
+        record = self.record(seq, ev)
         for fn, audience in self._listeners:
             try:
-                seen = audience.view(ev)
+                seen = audience.view(record)
                 if seen is not None:
                     fn(seen)
             except Exception:  # a listener's failure must never reach the core
-                log.exception("event listener failed; event %d not delivered to it", ev.seq)
+                log.exception("event listener failed; event %d not delivered to it", seq)
+
+    def record(self, seq: int, ev: CoreEvent) -> Event:
+        """Event ``seq`` as the log's readers get it (the tenant as its label)."""
+        if isinstance(ev, BlockStored):
+            return Event(seq, STORED, (ev.key,), ev.parent_key, token_bytes=ev.token_bytes,
+                         lora_id=ev.lora_id, namespace=ev.namespace_label,
+                         tenant=self.tenant_label(ev.sharing_domain), tier=ev.tier)
+        if isinstance(ev, BlockRemoved):
+            return Event(seq, REMOVED, (ev.key,), namespace=ev.namespace_label,
+                         tenant=self.tenant_label(ev.sharing_domain), tier=ev.tier)
+        return Event(seq, CLEARED)
 
     @property
     def oldest_seq(self) -> int:
-        return self.events[0].seq if self.events else self.next_seq
+        return self.events[0][0] if self.events else self.next_seq
 
     def since(self, seq: int) -> list[Event]:
         """Events with sequence number >= ``seq`` still in the buffer (the records: for the
         log's own readers; anything that leaves the daemon goes through an ``Audience``)."""
         if not self.events or seq >= self.next_seq:
             return []
-        start = max(0, seq - self.events[0].seq)
-        return [self.events[i] for i in range(start, len(self.events))]
+        start = max(0, seq - self.events[0][0])
+        record, events = self.record, self.events
+        return [record(*events[i]) for i in range(start, len(events))]
 
     async def wait(self) -> None:
         self._changed.clear()
