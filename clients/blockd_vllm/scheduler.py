@@ -68,6 +68,7 @@ from blockd_vllm.link_events import LinkEvents, under_lock
 from blockd_vllm.metadata import BlockdMetadata, PoolRef
 from blockd_vllm.namespace import EngineNamespace
 from blockd_vllm.outbox import Steps
+from blockd_vllm.placement import bound, engine_side_cpus
 from blockd_vllm.plan import Plan
 from blockd_vllm.remote_loads import RemoteLoads
 from blockd_vllm.resolution import finishing, resolution_ops
@@ -107,10 +108,14 @@ class SchedulerSide(Asks, LinkEvents):
         self.admits = Admits(settings, self.namespace, self.B, self.counters,
                              self._release_unused, self._adopt)
         self.remote = RemoteLoads(self.B, self.counters)
-        self.link = Link(settings, shape, self.counters)
-        #: The Steps, off the scheduler thread; ``steps.announced``: the fence of the last one
-        #: blockd answered (the worker publishes no other).
-        self.steps = Steps(self.link, self._lock, self.counters, self._report_done)
+        #: The CPUs this side's threads (and gRPC's) run on: off the CPU workers' cores
+        #: (``blockd_vllm.placement``; None: wherever the engine core runs).
+        self.cpus = engine_side_cpus(vllm_config)
+        with bound(self.cpus):
+            self.link = Link(settings, shape, self.counters)
+            #: The Steps, off the scheduler thread; ``steps.announced``: the fence of the last
+            #: one blockd answered (the worker publishes no other).
+            self.steps = Steps(self.link, self._lock, self.counters, self._report_done)
         self.figures = SchedulerFigures()
         #: When the last Step was queued (``_bookkeeping_due``); ``schedules`` at the last tick.
         self._last_step = 0.0
@@ -125,7 +130,8 @@ class SchedulerSide(Asks, LinkEvents):
         #: and report them a step or more later: a request that ends with one in flight keeps
         #: its blocks until it is reported (on CUDA the stream orders them before any reuse).
         self.async_saves = _cpu_workers()
-        self.link.start(self)
+        with bound(self.cpus):
+            self.link.start(self)
 
     @property
     def session(self) -> Any:
