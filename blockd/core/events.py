@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: Where the bytes of an event's block are: the pool, or a lower tier
 #: (``blockd.core.lower_tiers``: ``"host"``, ``"disk"``). The runtime names them in vLLM's
@@ -19,9 +20,12 @@ from dataclasses import dataclass
 POOL = "pool"
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """A full, committed block entered the prefix index."""
+class BlockStored(NamedTuple):
+    """A full, committed block entered the prefix index.
+
+    The two per-block records are immutable tuples (``_replace`` makes a changed copy): the
+    event log keeps them as they came, and one is made per block the index gains or loses,
+    the daemon's hottest path (a tuple is built ~3x faster than a frozen dataclass)."""
 
     block: int
     #: The block's 16-byte prefix key.
@@ -45,8 +49,7 @@ class BlockStored:
     root_key: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(NamedTuple):
     """A block left the prefix index (evicted or flushed), or a lower tier's slot its entry.
 
     It names its namespace and sharing domain as its ``BlockStored`` did, so that a consumer

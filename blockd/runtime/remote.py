@@ -26,7 +26,6 @@ Step nor serves a byte that did not pass its check.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -421,7 +420,7 @@ class RemoteTier:
             self.stats.not_published["copy"] += 1
             return
         expected = Expected(key, parent, self.keys.token_digest(ev.token_bytes))
-        announced = dataclasses.replace(ev, tier=REMOTE, root_key=b"")
+        announced = ev._replace(tier=REMOTE, root_key=b"")
         if self.client.publish(redis_key(key), pack_value(self.keys, self.layout, expected, buf),
                                _Published(key, announced)):
             self.stats.published_blocks += 1
