@@ -48,6 +48,11 @@ class BlockStored(NamedTuple):
     #: subscribers (``blockd.runtime.events`` copies the fields they get).
     root_key: bytes = b""
 
+    def held_by(self, tier: str) -> BlockStored:
+        """The same block as ``tier`` holds it, without the root key: what a node announces of
+        a block it copied there (the remote tier)."""
+        return self._replace(tier=tier, root_key=b"")
+
 
 class BlockRemoved(NamedTuple):
     """A block left the prefix index (evicted or flushed), or a lower tier's slot its entry.

@@ -420,7 +420,7 @@ class RemoteTier:
             self.stats.not_published["copy"] += 1
             return
         expected = Expected(key, parent, self.keys.token_digest(ev.token_bytes))
-        announced = ev._replace(tier=REMOTE, root_key=b"")
+        announced = ev.held_by(REMOTE)
         if self.client.publish(redis_key(key), pack_value(self.keys, self.layout, expected, buf),
                                _Published(key, announced)):
             self.stats.published_blocks += 1
