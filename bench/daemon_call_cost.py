@@ -56,13 +56,9 @@ def cpu_ns(pid: int) -> int:
 
 def layout() -> Any:
     """The pool's layout as a worker declares it at Attach (``POOL``: the tiny model's)."""
-    import torch
-
     from blockd_gpu import KvLayout
 
-    return KvLayout(num_layers=POOL["num_layers"], num_kv_heads=POOL["num_kv_heads"],
-                    head_dim=POOL["head_dim"], block_size=POOL["block_size"],
-                    dtype=getattr(torch, POOL["dtype"]))
+    return KvLayout(**{k: v for k, v in POOL.items() if k != "num_blocks"})
 
 
 def one_round(session: Any, pid: int, ns: Any, prompts: list[list[int]], tag: str
