@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -48,20 +49,34 @@ def _claim(port: int) -> bool:
     return True
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for ``bind(0)`` (``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    # Redis Cluster also listens on port + 10000 (the bus): both must be free.
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        if _claim(port) and _claim(port + 10000):
+    """A port for a Redis Cluster node, which also listens on port + 10000 (the bus): both
+    free, both below the kernel's ephemeral range. A port ``bind(0)`` found free there could be
+    taken by any process's own ``bind(0)`` (a daemon's TCP or metrics listener) before a
+    cluster started late comes up on it (test_remote_faults' degraded start did: "bind:
+    Address already in use" on the bus port)."""
+    top = min(_ephemeral_floor(), 65536) - 10000
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(10000, top)
+        if _free(port) and _free(port + 10000) and _claim(port) and _claim(port + 10000):
             return port
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
